@@ -1,0 +1,42 @@
+# Every target installs what it needs into .venv by itself.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The CPU wheel, pinned: an unpinned torch would pull a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test demo bench lint mutants verify clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[test]" "$(TORCH)"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+demo: install
+	$(PY) -m paramfsm.demo --out demo-out
+
+bench: install
+	$(PY) benchmarks/fsm_dispatch.py
+	$(PY) benchmarks/step_overhead.py
+	$(PY) benchmarks/gather_scatter.py --device cpu
+
+lint: install
+	$(PY) -m compileall -q paramfsm tests benchmarks
+	@big=$$(find paramfsm -name '*.py' -exec wc -l {} + | awk '$$2!="total" && $$1>400 {print $$2}'); \
+	  if [ -n "$$big" ]; then echo "modules over 400 lines: $$big"; exit 1; fi
+	@if grep -rnE '\.state\s*=[^=]' paramfsm --include='*.py' | grep -v '^paramfsm/fsm.py'; then \
+	  echo "a parameter state is assigned outside paramfsm/fsm.py"; exit 1; fi
+	@if grep -lE '^\s*(import|from)\s+(torch|cupy)' paramfsm/fsm.py paramfsm/spec.py paramfsm/trace.py; then \
+	  echo "the FSM core must not import torch or cupy"; exit 1; fi
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache .hypothesis

@@ -1,0 +1,14 @@
+"""paramfsm: explicit, spec-driven lifetimes for partitioned parameters in PyTorch.
+
+Every partitioned parameter is a finite state machine (NOT_AVAILABLE,
+INFLIGHT, AVAILABLE, DEFERRED_RELEASE) defined in ``specs/param_lifetime.toml``.
+Module and autograd hooks emit events, one scheduler applies them through
+:func:`paramfsm.fsm.step`, and an executor runs the effects (all-gather, free,
+reduce-scatter). See the README for the public contract.
+"""
+
+from paramfsm.errors import IllegalTransition, ParamFSMError, RankDesync, SpecError
+from paramfsm.spec import State
+
+__all__ = ["State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync"]
+__version__ = "0.1.0"

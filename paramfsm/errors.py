@@ -1,0 +1,77 @@
+"""The errors paramfsm raises. Each one reads like help: what happened, to what, and what to do.
+
+All derive from :class:`ParamFSMError` so a training loop can catch the family.
+The constructors take the facts as keyword arguments and keep them as
+attributes, so tests and tools read the facts instead of parsing messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+class ParamFSMError(RuntimeError):
+    """Base class of every error raised by paramfsm."""
+
+
+class SpecError(ParamFSMError):
+    """A lifetime spec file is malformed: names the file, the entry and the reason."""
+
+    def __init__(self, file: str, entry: str, reason: str):
+        self.file, self.entry, self.reason = str(file), entry, reason
+        super().__init__(f"{self.file}: {entry}: {reason}")
+
+
+class IllegalTransition(ParamFSMError):
+    """An event arrived in a state where the spec forbids it (or has no row for it).
+
+    The parameter's state is unchanged when this is raised.
+    """
+
+    def __init__(
+        self,
+        *,
+        param: str,
+        unit: str,
+        state: str,
+        event: str,
+        rank: int,
+        reason: str,
+        holds: int = 0,
+        history: Sequence[Any] = (),
+        hint: str = "",
+    ):
+        self.param, self.unit, self.state, self.event = param, unit, state, event
+        self.rank, self.reason, self.holds = rank, reason, holds
+        self.history = tuple(history)
+        lines = [
+            f"illegal transition on rank {rank}: event '{event}' in state {state} "
+            f"for parameter '{param}' (unit '{unit}', holds={holds}): {reason}.",
+        ]
+        if self.history:
+            lines.append("last events that touched this parameter (oldest first):")
+            lines.extend(f"  {h}" for h in self.history)
+        lines.append(
+            hint
+            or "What to do: this is a lifetime bug in the training loop or in paramfsm. "
+            "Re-run with paramfsm.shard(..., trace=True), dump rt.trace and run "
+            "`paramfsm trace check` on it to see the full sequence."
+        )
+        super().__init__("\n".join(lines))
+
+
+class RankDesync(ParamFSMError):
+    """Ranks issued collectives in different orders; raised instead of hanging."""
+
+    def __init__(self, *, rank: int, unit: str, step: int, detail: str):
+        self.rank, self.unit, self.step, self.detail = rank, unit, step, detail
+        super().__init__(
+            f"rank desync detected on rank {rank} at step {step}, unit '{unit}': {detail}. "
+            "What to do: every rank must run the same modules in the same order "
+            "(data-dependent branches must agree across ranks); make branch decisions "
+            "from values that are identical on all ranks."
+        )
+
+
+class NotInitialized(ParamFSMError):
+    """torch.distributed is not initialised and no process group was given."""

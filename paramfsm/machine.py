@@ -1,0 +1,102 @@
+"""The spec as a ``transitions`` Machine: diagrams, a reference for tests, and strict mode.
+
+The Machine is built from the same validated :class:`~paramfsm.spec.Spec` as
+the compiled table, but through an independent path (pytransitions' own
+trigger/condition machinery), so a differential test can hold the two
+against each other. It costs microseconds per trigger and kilobytes per
+model, so it never sits on the per-parameter hot path; the runtime only uses
+it in opt-in strict mode to cross-check live transitions.
+
+This module imports neither ``torch`` nor ``cupy``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transitions import Machine, MachineError
+
+from paramfsm.spec import GUARDS, Spec
+
+
+class MachineModel:
+    """The object a transitions Machine drives: the state plus the extended state and effects."""
+
+    def __init__(self, holds: int = 0, keep_graph: bool = False, retained: bool = False):
+        self.holds = holds
+        self.keep_graph = keep_graph
+        self.retained = retained
+        self.effects: tuple[str, ...] = ()
+        self.outcome = "transition"
+
+
+def _guard(model: MachineModel, name: str, negated: bool):
+    def condition(*_args, **_kwargs) -> bool:
+        return GUARDS[name](model.holds, model.keep_graph, model.retained) != negated
+
+    condition.__name__ = ("not_" if negated else "") + name
+    return condition
+
+
+def build_machine(spec: Spec, model: MachineModel | None = None, *, graph: bool = False):
+    """Return ``(machine, model)`` mirroring ``spec``.
+
+    Transition rows become transitions; ``ignore`` rows become internal
+    transitions; ``error`` rows become internal transitions whose ``before``
+    callback raises :class:`transitions.MachineError`, so an error row and a
+    missing row both raise.
+    """
+    model = model or MachineModel()
+    rows = []
+    for rule in spec.rules:
+        conditions = [_guard(model, name, neg) for name, neg in rule.when]
+        row = {"trigger": rule.event, "source": rule.src, "conditions": conditions}
+        if rule.kind == "transition":
+            row["dest"] = rule.dst
+            row["after"] = [_apply(model, rule)]
+        else:
+            row["dest"] = None
+            row["before"] = [_mark(model, rule)]
+        rows.append(row)
+    kwargs = dict(model=model, states=list(spec.states), initial=spec.initial, transitions=rows,
+                  auto_transitions=False, send_event=False, ignore_invalid_triggers=False)
+    if graph:
+        from transitions.extensions import GraphMachine
+
+        machine = GraphMachine(graph_engine="mermaid", show_conditions=True, title=spec.name, **kwargs)
+    else:
+        machine = Machine(**kwargs)
+    return machine, model
+
+
+def _apply(model: MachineModel, rule):
+    def after(*_args, **_kwargs) -> None:
+        model.outcome = "transition"
+        model.effects = rule.effects
+        if rule.holds == "+1":
+            model.holds += 1
+        elif rule.holds == "-1":
+            model.holds -= 1
+        elif rule.holds == "0":
+            model.holds = 0
+
+    return after
+
+
+def _mark(model: MachineModel, rule):
+    def before(*_args, **_kwargs) -> None:
+        model.effects = ()
+        model.outcome = rule.kind
+        if rule.kind == "error":
+            raise MachineError(f"{rule.entry}: {rule.reason}")
+
+    return before
+
+
+def draw_mermaid(spec: Spec, path: str | Path | None = None) -> str:
+    """Render the spec as a mermaid state diagram; write it to ``path`` when given."""
+    machine, model = build_machine(spec, graph=True)
+    text = model.get_graph().draw(None)
+    if path is not None:
+        Path(path).write_text(text, encoding="utf-8")
+    return text

@@ -1,0 +1,291 @@
+"""Load and validate the declarative lifetime spec (``specs/param_lifetime.toml``).
+
+The spec is data: states, events, and one row per (state, event[, guards]) that
+is a transition, an ``ignore`` or an ``error``. This module checks it once, at
+load time, and fails with a :class:`SpecError` that names the file and the
+entry. :mod:`paramfsm.fsm` compiles the validated spec into the hot-path table;
+:mod:`paramfsm.machine` builds the equivalent ``transitions`` Machine.
+
+Guards are evaluated over a small extended state ``(holds, keep_graph,
+retained)``. Because ``holds`` only matters as 0, 1 or "2 or more", the
+extended state has twelve classes, so totality and guard overlap are checked
+exhaustively rather than by argument.
+
+This module imports neither ``torch.distributed`` nor ``cupy``.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import tomllib
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import attrs
+
+from paramfsm.errors import SpecError
+
+DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "specs" / "param_lifetime.toml"
+
+
+class State(enum.Enum):
+    """The lifetime state of one partitioned parameter; the docstrings say what memory is live."""
+
+    NOT_AVAILABLE = "NOT_AVAILABLE"
+    """Only this rank's 1/world shard is live; ``param.data`` is empty."""
+    INFLIGHT = "INFLIGHT"
+    """The shard plus the unit's gather buffer (all-gather issued, not waited on)."""
+    AVAILABLE = "AVAILABLE"
+    """The shard plus the full parameter in ``param.data``."""
+    DEFERRED_RELEASE = "DEFERRED_RELEASE"
+    """Like AVAILABLE, kept without holders for the next backward on a retained graph."""
+
+    # Identity hash: states key the compiled table on the hot path (see paramfsm.fsm).
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"State.{self.name}"
+
+
+#: Guard name -> predicate over the extended state (holds, keep_graph, retained).
+GUARDS: Mapping[str, Callable[[int, bool, bool], bool]] = {
+    "unheld": lambda holds, keep_graph, retained: holds == 0,
+    "last_hold": lambda holds, keep_graph, retained: holds == 1,
+    "shared_hold": lambda holds, keep_graph, retained: holds >= 2,
+    "keep_graph": lambda holds, keep_graph, retained: keep_graph,
+    "retained": lambda holds, keep_graph, retained: retained,
+}
+
+#: Effects the executor knows how to run, in the order a row lists them.
+EFFECTS = frozenset(
+    {"start_gather", "unpack", "discard_gather", "free", "defer", "undefer", "reduce_grad"}
+)
+
+#: Invariants the runtime (and ``paramfsm.testing``) can check for a state.
+INVARIANTS = frozenset(
+    {"data_empty", "data_full", "shard_intact", "no_handle", "pending_handle", "retained_graph_live"}
+)
+
+HOLD_UPDATES = ("+1", "-1", "0")
+ROW_KINDS = ("transition", "ignore", "error")
+
+
+@attrs.frozen(slots=True)
+class StateSpec:
+    """A state as declared: its doc, whether holders are allowed, and its invariants."""
+
+    name: str
+    doc: str
+    holds_zero: bool
+    invariants: tuple[str, ...]
+
+
+@attrs.frozen(slots=True)
+class Rule:
+    """One row of the spec for one (state, event) pair; rows with several events are expanded."""
+
+    kind: str  # "transition" | "ignore" | "error"
+    src: str
+    event: str
+    when: tuple[tuple[str, bool], ...]  # (guard name, negated)
+    dst: str | None
+    effects: tuple[str, ...]
+    holds: str | None
+    reason: str
+    entry: str  # e.g. "transition #7 (AVAILABLE, release)", for messages
+
+    def matches(self, holds: int, keep_graph: bool, retained: bool) -> bool:
+        """Whether every guard of this row holds for the extended state."""
+        return all(GUARDS[name](holds, keep_graph, retained) != negated for name, negated in self.when)
+
+    @property
+    def guard_text(self) -> str:
+        return " and ".join(("not " if neg else "") + name for name, neg in self.when)
+
+
+@attrs.frozen(slots=True)
+class Spec:
+    """A validated lifetime spec."""
+
+    file: str
+    name: str
+    initial: str
+    states: Mapping[str, StateSpec]
+    events: Mapping[str, str]
+    rules: tuple[Rule, ...]
+
+    def rules_for(self, state: str, event: str) -> tuple[Rule, ...]:
+        return tuple(r for r in self.rules if r.src == state and r.event == event)
+
+
+def extended_states(state: StateSpec) -> Iterator[tuple[int, bool, bool]]:
+    """Every class of extended state a parameter in ``state`` can be in (holds 2 stands for >= 2)."""
+    holds_values = (0,) if state.holds_zero else (0, 1, 2)
+    return itertools.product(holds_values, (False, True), (False, True))
+
+
+def load_spec(path: str | Path | None = None) -> Spec:
+    """Read, validate and return the spec at ``path`` (the shipped spec by default)."""
+    path = Path(path) if path is not None else DEFAULT_SPEC
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecError(path, "file", "no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(path, "toml", f"not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(path, "file", f"not UTF-8 text: {exc}") from None
+    return parse_spec(raw, file=str(path))
+
+
+def parse_spec(raw: Mapping, file: str = "<spec>") -> Spec:
+    """Validate a spec already parsed from TOML (see the module docstring for the checks)."""
+    fail = lambda entry, reason: SpecError(file, entry, reason)  # noqa: E731
+
+    machine = _table(raw, "machine", fail)
+    raw_states = _table(raw, "states", fail)
+    raw_events = _table(raw, "events", fail)
+    unknown_top = set(raw) - {"machine", "states", "events", *ROW_KINDS}
+    if unknown_top:
+        raise fail(sorted(unknown_top)[0], f"unknown top-level table; expected machine, states, events, {', '.join(ROW_KINDS)}")
+
+    known_states = {s.value for s in State}
+    states: dict[str, StateSpec] = {}
+    for name, body in raw_states.items():
+        entry = f"states.{name}"
+        if name not in known_states:
+            raise fail(entry, f"unknown state; the runtime knows {sorted(known_states)}")
+        if not isinstance(body, dict):
+            raise fail(entry, "must be a table")
+        holds = body.get("holds", "any")
+        if holds not in ("zero", "any"):
+            raise fail(entry, f"holds must be 'zero' or 'any', not {holds!r}")
+        invariants = tuple(body.get("invariants", ()))
+        for inv in invariants:
+            if inv not in INVARIANTS:
+                raise fail(entry, f"unknown invariant {inv!r}; known: {sorted(INVARIANTS)}")
+        states[name] = StateSpec(name, str(body.get("doc", "")), holds == "zero", invariants)
+    missing = known_states - set(states)
+    if missing:
+        raise fail("states", f"missing states {sorted(missing)}")
+
+    events = {str(k): str(v) for k, v in raw_events.items()}
+    initial = machine.get("initial")
+    if initial not in states:
+        raise fail("machine.initial", f"unknown initial state {initial!r}")
+
+    rules = tuple(_parse_rules(raw, states, events, fail))
+    spec = Spec(file, str(machine.get("name", "param_lifetime")), initial, states, events, rules)
+    _check_table(spec, fail)
+    _check_reachable(spec, fail)
+    return spec
+
+
+def _table(raw: Mapping, key: str, fail) -> dict:
+    value = raw.get(key)
+    if not isinstance(value, dict) or not value:
+        raise fail(key, f"missing or empty [{key}] table")
+    return value
+
+
+def _names(value, entry: str, what: str, fail) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise fail(entry, f"{what} must be a name or a non-empty list of names")
+
+
+def _parse_rules(raw, states, events, fail) -> Iterator[Rule]:
+    allowed = {
+        "transition": {"src", "event", "when", "dst", "effects", "holds", "reason"},
+        "ignore": {"src", "event", "when", "reason"},
+        "error": {"src", "event", "when", "reason"},
+    }
+    for kind in ROW_KINDS:
+        rows = raw.get(kind, [])
+        if not isinstance(rows, list):
+            raise fail(kind, f"use [[{kind}]] (an array of tables)")
+        for index, row in enumerate(rows, start=1):
+            entry = f"{kind} #{index}"
+            extra = set(row) - allowed[kind]
+            if extra:
+                raise fail(entry, f"unknown key {sorted(extra)[0]!r}; allowed: {sorted(allowed[kind])}")
+            srcs = _names(row.get("src"), entry, "src", fail)
+            evs = _names(row.get("event"), entry, "event", fail)
+            srcs = list(states) if srcs == ["*"] else srcs
+            for src in srcs:
+                if src not in states:
+                    raise fail(entry, f"unknown state {src!r} in src")
+            for ev in evs:
+                if ev not in events:
+                    raise fail(entry, f"unknown event {ev!r}; declare it under [events]")
+            when = []
+            for guard in row.get("when", []):
+                name, negated = (guard[1:], True) if guard.startswith("!") else (guard, False)
+                if name not in GUARDS:
+                    raise fail(entry, f"unknown guard {name!r}; known: {sorted(GUARDS)}")
+                when.append((name, negated))
+            dst, effects, holds = None, (), None
+            if kind == "transition":
+                dst = row.get("dst")
+                if dst not in states:
+                    raise fail(entry, f"unknown dst state {dst!r}")
+                effects = tuple(row.get("effects", ()))
+                for eff in effects:
+                    if eff not in EFFECTS:
+                        raise fail(entry, f"unknown effect {eff!r}; known: {sorted(EFFECTS)}")
+                holds = row.get("holds")
+                if holds is not None and holds not in HOLD_UPDATES:
+                    raise fail(entry, f"holds must be one of {HOLD_UPDATES}, not {holds!r}")
+            elif not row.get("reason"):
+                raise fail(entry, f"an {kind} row needs a reason")
+            for src in srcs:
+                for ev in evs:
+                    yield Rule(kind, src, ev, tuple(when), dst, effects, holds,
+                               str(row.get("reason", "")), f"{entry} ({src}, {ev})")
+
+
+def _check_table(spec: Spec, fail) -> None:
+    """Exactly one row must match every (state, event, extended state): total and unambiguous."""
+    for state in spec.states.values():
+        for event in spec.events:
+            rows = spec.rules_for(state.name, event)
+            for ext in extended_states(state):
+                hits = [r for r in rows if r.matches(*ext)]
+                holds, keep_graph, retained = ext
+                where = f"holds={'>=2' if holds == 2 else holds}, keep_graph={keep_graph}, retained={retained}"
+                if not hits:
+                    raise fail(
+                        f"({state.name}, {event})",
+                        f"table is not total: no row covers {where}; add a transition, ignore or error row",
+                    )
+                if len(hits) > 1:
+                    raise fail(
+                        hits[1].entry,
+                        f"guards overlap with {hits[0].entry} for {where}; make the guards exclusive",
+                    )
+                after = _holds_after(hits[0], holds)
+                if hits[0].kind == "transition" and after < 0:
+                    raise fail(hits[0].entry, f"holds would go negative for {where}")
+                dst = spec.states.get(hits[0].dst) if hits[0].dst else None
+                if dst is not None and dst.holds_zero and after != 0:
+                    raise fail(hits[0].entry, f"{dst.name} allows no holders but holds would be {after} for {where}")
+
+
+def _holds_after(rule: Rule, holds: int) -> int:
+    return {None: holds, "+1": holds + 1, "-1": holds - 1, "0": 0}[rule.holds]
+
+
+def _check_reachable(spec: Spec, fail) -> None:
+    seen, frontier = {spec.initial}, [spec.initial]
+    while frontier:
+        src = frontier.pop()
+        for rule in spec.rules:
+            if rule.kind == "transition" and rule.src == src and rule.dst not in seen:
+                seen.add(rule.dst)
+                frontier.append(rule.dst)
+    for name in spec.states:
+        if name not in seen:
+            raise fail(f"states.{name}", f"unreachable from the initial state {spec.initial}")
