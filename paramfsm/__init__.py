@@ -8,7 +8,8 @@ reduce-scatter). See the README for the public contract.
 """
 
 from paramfsm.errors import IllegalTransition, ParamFSMError, RankDesync, SpecError
+from paramfsm.runtime import Runtime, shard
 from paramfsm.spec import State
 
-__all__ = ["State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync"]
+__all__ = ["shard", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync"]
 __version__ = "0.1.0"

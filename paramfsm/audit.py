@@ -1,0 +1,68 @@
+"""The leak audit run at the end of every final (non-retained) backward.
+
+After the last backward of an iteration nothing should stay gathered except
+what a user explicitly holds with ``rt.gathered``. A leak is a parameter that
+is still INFLIGHT, AVAILABLE without a holder (or with holders nobody
+accounts for), or DEFERRED_RELEASE without a live retained graph. Each is
+reported by qualified name with the last events that touched it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+
+from paramfsm.errors import ParamFSMError
+from paramfsm.spec import State
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen(slots=True)
+class Leak:
+    """A parameter left gathered after the final backward."""
+
+    param: str
+    unit: str
+    state: State
+    holds: int
+    why: str
+    recent: tuple
+
+    def __str__(self) -> str:
+        events = "; ".join(f"step {s} task {g}: {e} {a}->{b}" for s, g, e, a, b in self.recent)
+        return f"'{self.param}' (unit '{self.unit}') left {self.state.name} holds={self.holds}: {self.why}. Last events: {events}"
+
+
+class LeakError(ParamFSMError):
+    """Raised by the leak audit in strict mode."""
+
+
+def audit_leaks(scheduler, strict: bool = False) -> list[Leak]:
+    """Find leaked parameters; log them (or raise LeakError when ``strict``)."""
+    held = {rec for unit in scheduler.held_outside for rec in unit.records}
+    leaks = []
+    for rec in scheduler.records:
+        state = rec.state
+        if state is State.NOT_AVAILABLE:
+            continue
+        if state is State.INFLIGHT:
+            why = "a gather was issued and never used or abandoned"
+        elif state is State.AVAILABLE and rec in held:
+            continue
+        elif state is State.AVAILABLE:
+            why = "gathered with no holder" if rec.holds == 0 else "held by a forward or backward that never released it"
+        elif any(u.live_graphs > 0 for u in rec.units):
+            continue
+        else:
+            why = "deferred with no live retained graph"
+        leaks.append(Leak(rec.name, rec.unit, state, rec.holds, why, tuple(rec.recent)))
+    if leaks:
+        message = f"paramfsm leak audit on rank {scheduler.ctx.rank}, step {scheduler.ctx.step}: " + \
+            f"{len(leaks)} parameter(s) still gathered after the final backward:\n  " + \
+            "\n  ".join(str(leak) for leak in leaks)
+        if strict:
+            raise LeakError(message)
+        log.warning(message)
+    return leaks

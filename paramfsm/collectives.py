@@ -1,0 +1,69 @@
+"""Collectives as free functions over tensors and a process group; they never read FSM state.
+
+Each returns a work handle (or None when the world has one rank and nothing
+has to move). torch 2.13 names the flat collectives ``all_gather_single`` /
+``reduce_scatter_single``; older releases call them ``all_gather_into_tensor``
+/ ``reduce_scatter_tensor``. Both are looked up once here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from paramfsm.errors import NotInitialized
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def resolve_group(group):
+    """Return ``(group, rank, world)``; raise a helpful error when torch.distributed is not set up.
+
+    ``group="single"`` initialises a one-rank gloo group on 127.0.0.1 when
+    torch.distributed is not initialised yet, so single-process use (tests,
+    notebooks, debugging a trace) needs no launcher.
+    """
+    if group == "single":
+        group = None
+        if not dist.is_initialized():
+            _init_single_process()
+    if not dist.is_available() or not dist.is_initialized():
+        raise NotInitialized(
+            "torch.distributed is not initialised. Call "
+            "torch.distributed.init_process_group('gloo' or 'nccl', ...) before paramfsm.shard "
+            "(torchrun sets the environment for you), or pass group='single' for a one-rank run.")
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _init_single_process() -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
+    """All-gather ``inp`` (S elements) from every rank into ``out`` (world*S, rank-major)."""
+    return _ALL_GATHER(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
+    """Sum ``inp`` (world*S, rank-major) over ranks; this rank's S elements land in ``out``."""
+    return _REDUCE_SCATTER(out, inp, group=group, async_op=async_op)
+
+
+def all_gather_object_tags(tag: torch.Tensor, world: int, group) -> torch.Tensor:
+    """All-gather a small int64 tag vector (used by the rank-order check)."""
+    out = torch.empty(world * tag.numel(), dtype=tag.dtype, device=tag.device)
+    _ALL_GATHER(out, tag, group=group, async_op=False)
+    return out.view(world, -1)

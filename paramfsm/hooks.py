@@ -1,0 +1,126 @@
+"""Module and autograd hooks. They only emit events; the scheduler decides everything.
+
+Per unit module:
+- forward pre-hook: ``PRE_FORWARD``; when grad is enabled it also routes the
+  tensor inputs that require grad through :class:`_PostBackward`, whose
+  backward emits ``POST_BACKWARD`` once the unit's backward is done;
+- forward hook: ``POST_FORWARD``; when the outputs are part of an autograd
+  graph it registers a gradient hook on them that emits ``PRE_BACKWARD``
+  (in every graph task that reaches them: retained-graph backward passes and
+  checkpoint recomputation included) and ties a :class:`ForwardCall` to the
+  graph, whose collection emits ``GRAPH_FREED``.
+
+Per parameter that requires grad: a post-accumulate-grad hook emits
+``GRAD_READY`` once autograd has accumulated the parameter's gradient for the
+graph task (after all of its uses, tied weights included).
+
+On the root module: ``FORWARD_BEGIN`` / ``FORWARD_END`` around the forward.
+
+[Note: why post-backward rides on the inputs]
+The gradient of a unit's inputs is produced by the unit's last backward node.
+Autograd runs ``AccumulateGrad`` nodes (highest priority in the ready queue)
+as soon as they are ready, so by the time ``_PostBackward.backward`` runs,
+the unit's parameter gradients have been accumulated and its full
+parameters may be released. A unit none of whose inputs require grad (the
+first layer) is released by the scheduler at the end of the graph task.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from paramfsm import graph_task as gt
+from paramfsm.scheduler import (
+    FORWARD_BEGIN, FORWARD_END, GRAD_READY, GRAPH_FREED, POST_BACKWARD, POST_FORWARD,
+    PRE_BACKWARD, PRE_FORWARD, Event,
+)
+
+
+class ForwardCall:
+    """One forward call of a unit whose outputs joined an autograd graph.
+
+    It is referenced only by the gradient hooks on those outputs (and the
+    post-backward node), so it lives exactly as long as the graph does.
+    """
+
+    __slots__ = ("unit", "emit")
+
+    def __init__(self, unit, emit):
+        self.unit, self.emit = unit, emit
+
+    def __del__(self):
+        try:
+            self.emit(Event(GRAPH_FREED, self.unit))
+        except Exception:  # noqa: BLE001 - a finaliser must not raise (e.g. at interpreter exit)
+            pass
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the unit's inputs; its backward marks the end of the unit's backward."""
+
+    @staticmethod
+    def forward(ctx, emit, unit, *tensors):
+        ctx.emit, ctx.unit = emit, unit
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.emit(Event(POST_BACKWARD, ctx.unit, gt.backward_task(), gt.keeps_graph()))
+        return (None, None, *grads)
+
+
+def _on_output_grad(call: ForwardCall, grad):
+    call.emit(Event(PRE_BACKWARD, call.unit, gt.backward_task(), gt.keeps_graph(), call=call))
+    return None
+
+
+def _pre_forward(emit, unit, module, args, kwargs):
+    emit(Event(PRE_FORWARD, unit))
+    if not torch.is_grad_enabled():
+        return None
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return None
+    routed = _PostBackward.apply(emit, unit, *(flat[i] for i in positions))
+    for i, tensor in zip(positions, routed):
+        flat[i] = tensor
+    return tree_unflatten(flat, spec)
+
+
+def _post_forward(emit, unit, module, args, output):
+    call = None
+    if torch.is_grad_enabled():
+        flat, _ = tree_flatten(output)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if tensors:
+            call = ForwardCall(unit, emit)
+            hook = partial(_on_output_grad, call)
+            for tensor in tensors:
+                tensor.register_hook(hook)
+    emit(Event(POST_FORWARD, unit, call=call))
+    return None
+
+
+def _on_grad_accumulated(emit, record, param):
+    emit(Event(GRAD_READY, graph_task=gt.backward_task(), keep_graph=gt.keeps_graph(), record=record))
+
+
+def install(root: torch.nn.Module, units, records, emit) -> list:
+    """Register every hook; returns the handles so ``rt.close()`` can remove them."""
+    handles = [
+        root.register_forward_pre_hook(lambda module, args: emit(Event(FORWARD_BEGIN))),
+    ]
+    for unit in units:
+        handles.append(unit.module.register_forward_pre_hook(
+            partial(_pre_forward, emit, unit), with_kwargs=True))
+        handles.append(unit.module.register_forward_hook(partial(_post_forward, emit, unit)))
+    handles.append(root.register_forward_hook(lambda module, args, output: emit(Event(FORWARD_END))))
+    for rec in records:
+        if rec.requires_grad:
+            handles.append(rec.param.register_post_accumulate_grad_hook(
+                partial(_on_grad_accumulated, emit, rec)))
+    return handles

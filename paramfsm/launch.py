@@ -1,0 +1,141 @@
+"""Run functions on N local gloo ranks (127.0.0.1): for tests, the demo, verify and benchmarks.
+
+A :class:`RankPool` spawns its worker processes once, initialises one gloo
+process group among them, and then runs any number of picklable functions
+``fn(rank, world, *args)`` on every rank, returning the per-rank results.
+Reusing the workers keeps a test suite from paying process start-up and
+``import torch`` for every test.
+
+Failures are fast and whole: the first rank that raises sends its formatted
+traceback, the pool kills every worker (a peer may be blocked in a collective
+that will never complete) and raises :class:`RankFailure` carrying the remote
+traceback. A run that exceeds its timeout is treated the same way.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from multiprocessing.connection import wait
+
+
+class RankFailure(RuntimeError):
+    """A function failed (or timed out) on some rank; the message holds the remote traceback."""
+
+    def __init__(self, rank: int, detail: str):
+        self.rank, self.detail = rank, detail
+        super().__init__(f"rank {rank} failed:\n{detail}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, conn, sys_path: list[str], threads: int) -> None:
+    sys.path[:] = sys_path
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        conn.send(("ready", None))
+    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            break
+        if message is None:
+            break
+        fn, args = message
+        try:
+            conn.send(("ok", fn(rank, world, *args)))
+        except BaseException:  # noqa: BLE001
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world`` spawned gloo ranks that run functions on request (see the module docstring)."""
+
+    def __init__(self, world: int = 2, timeout: float = 300.0, threads: int | None = None):
+        self.world, self.timeout = world, timeout
+        self.threads = threads or max(1, (os.cpu_count() or 2) // world)
+        self._procs: list = []
+        self._conns: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        for rank in range(self.world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, self.world, port, child, list(sys.path), self.threads),
+                               daemon=True)
+            proc.start()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._collect("start-up")
+
+    def run(self, fn, *args, timeout: float | None = None) -> list:
+        """Run ``fn(rank, world, *args)`` on every rank; return the results ordered by rank."""
+        if not self._procs:
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args))
+        return self._collect(getattr(fn, "__name__", str(fn)), timeout)
+
+    def _collect(self, what: str, timeout: float | None = None) -> list:
+        deadline = time.monotonic() + (timeout or self.timeout)
+        results: dict[int, object] = {}
+        pending = dict(enumerate(self._conns))
+        while pending:
+            left = deadline - time.monotonic()
+            ready = wait(list(pending.values()), timeout=max(left, 0))
+            if not ready:
+                self.close()
+                raise RankFailure(min(pending), f"{what}: no answer within {timeout or self.timeout:.0f}s "
+                                                "(a rank may be blocked in a collective)")
+            for conn in ready:
+                rank = self._conns.index(conn)
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    self.close()
+                    raise RankFailure(rank, f"{what}: the worker process died") from None
+                if status == "error":
+                    self.close()
+                    raise RankFailure(rank, value)
+                results[rank] = value
+                del pending[rank]
+        return [results[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        """Stop every worker (politely if idle, by force otherwise)."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,230 @@
+"""The public facade: ``paramfsm.shard(model)`` returns a :class:`Runtime` (DESIGN §4).
+
+The runtime wires the layers together (units -> hooks -> scheduler -> fsm ->
+executor) and offers what training loops use: shard parameters for the
+optimizer, states, full gradients/parameters/state dicts, backward, flush,
+gathered access, and close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from paramfsm import graph_task as gt
+from paramfsm import hooks
+from paramfsm.collectives import all_gather_flat, resolve_group
+from paramfsm.errors import ParamFSMError
+from paramfsm.executor import Executor
+from paramfsm.fsm import compile_table, default_table
+from paramfsm.scheduler import Scheduler
+from paramfsm.spec import State, load_spec
+from paramfsm.trace import Trace
+from paramfsm.units import build_units
+
+log = logging.getLogger(__name__)
+
+RETAIN_POLICIES = ("defer", "regather")
+_SHARDED: "dict[int, Runtime]" = {}
+
+
+def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
+          prefetch: int = 1, trace: bool = False, spec=None, *, strict: bool = False,
+          bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None) -> "Runtime":
+    """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
+
+    ``units``: None (every module owning parameters directly), module classes,
+    module instances, or a predicate ``(name, module) -> bool``. ``retain``:
+    "defer" keeps parameters released inside a keep-graph backward for the
+    next backward; "regather" releases at once. ``max_deferred_bytes`` bounds
+    deferred memory. ``prefetch``: buckets gathered ahead of use.
+    ``bucket_bytes``: consecutive units are gathered (and gradients
+    reduce-scattered) together up to this many bytes. ``spec``: a path to an
+    alternative lifetime spec. ``strict``: leaks raise instead of logging.
+    """
+    if retain not in RETAIN_POLICIES:
+        raise ParamFSMError(f"retain={retain!r}: expected one of {RETAIN_POLICIES}")
+    if id(model) in _SHARDED:
+        raise ParamFSMError("this model is already sharded by paramfsm; call rt.close() before sharding it again")
+    if prefetch < 0:
+        raise ParamFSMError(f"prefetch={prefetch}: must be >= 0")
+    return Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
+                   bucket_bytes, param_dtype, reduce_dtype)
+
+
+class Runtime:
+    """A sharded model's lifetime runtime. Create it with :func:`paramfsm.shard`."""
+
+    def __init__(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
+                 bucket_bytes, param_dtype, reduce_dtype):
+        self.model = model
+        self.group, self.rank, self.world = resolve_group(group)
+        self.table = compile_table(load_spec(spec)) if spec is not None else default_table()
+        self.units, by_id = build_units(model, units, self.rank, self.world)
+        self._by_id = by_id
+        self._by_name = {name: rec for rec in by_id.values() for name in rec.names}
+        self.trace = Trace(self.rank) if trace else None
+        self.executor = Executor(self.group, self.rank, self.world, param_dtype=param_dtype,
+                                 reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+        self.scheduler = Scheduler(self.table, self.units, list(by_id.values()), self.executor,
+                                   rank=self.rank, retain=retain, prefetch=prefetch,
+                                   max_deferred_bytes=max_deferred_bytes, bucket_bytes=bucket_bytes,
+                                   trace=self.trace, strict=strict)
+        for rec in by_id.values():
+            self.executor.free(rec)
+        self._handles = hooks.install(model, self.units, list(by_id.values()), self.scheduler.emit)
+        _SHARDED[id(model)] = self
+
+    # ------------------------------------------------------------------ lookup
+    def record(self, param_or_name):
+        """The side-table record of a parameter, by qualified name or by the parameter itself."""
+        if isinstance(param_or_name, str):
+            rec = self._by_name.get(param_or_name)
+        else:
+            rec = self._by_id.get(id(param_or_name))
+        if rec is None:
+            raise ParamFSMError(f"{param_or_name if isinstance(param_or_name, str) else 'the given tensor'} "
+                                "is not a parameter partitioned by this runtime; names are "
+                                f"qualified as in model.named_parameters(), e.g. {next(iter(self._by_name))!r}")
+        return rec
+
+    def state(self, param_or_name) -> State:
+        return self.record(param_or_name).state
+
+    def states(self) -> dict[str, State]:
+        return {rec.name: rec.state for rec in self._by_id.values()}
+
+    def shard_parameters(self) -> list[nn.Parameter]:
+        """This rank's shards, as leaf Parameters, in model order: give them to the optimizer."""
+        return [rec.shard for rec in self._by_id.values()]
+
+    def named_shard_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return ((rec.name, rec.shard) for rec in self._by_id.values())
+
+    @property
+    def deferred_bytes(self) -> int:
+        return self.scheduler.deferred_bytes
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.executor.counters.as_dict()
+
+    # ------------------------------------------------------------------ collectives
+    def _gather_flat(self, shard: torch.Tensor, rec) -> torch.Tensor:
+        if self.world == 1:
+            full = shard.detach().clone()
+        else:
+            full = torch.empty(rec.shard_numel * self.world, dtype=shard.dtype, device=shard.device)
+            all_gather_flat(full, shard.detach().contiguous(), self.group, async_op=False)
+        return full[: rec.numel].view(rec.shape).clone()
+
+    def full_param(self, param_or_name) -> torch.Tensor:
+        """The full parameter, all-gathered from the shards (collective: every rank calls it)."""
+        rec = self.record(param_or_name)
+        return self._gather_flat(rec.shard, rec)
+
+    def full_grad(self, param_or_name) -> torch.Tensor | None:
+        """The full averaged gradient, all-gathered from the shard grads (collective).
+
+        None when no backward produced a gradient for it since the last zero_grad
+        (the same on every rank, as every rank runs the same backward).
+        """
+        rec = self.record(param_or_name)
+        grad = rec.shard.grad
+        if grad is None:
+            return None
+        return self._gather_flat(grad, rec)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """A plain state dict (full tensors, the model's own keys): loadable without paramfsm."""
+        out = {}
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            rec = self._by_id.get(id(value))
+            out[key] = self.full_param(rec) if rec is not None else value.detach().clone()
+        return out
+
+    def load_full_state_dict(self, state_dict) -> None:
+        """Load a plain (full) state dict: each rank keeps its slice of every parameter."""
+        self.flush()
+        busy = [rec.name for rec in self._by_id.values() if rec.state is not State.NOT_AVAILABLE]
+        if busy:
+            raise ParamFSMError(f"cannot load a state dict while parameters are gathered: {busy[:5]}; "
+                                "call it between iterations")
+        own = self.model.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        if missing:
+            raise ParamFSMError(f"state dict is missing keys {missing[:5]}")
+        with torch.no_grad():
+            for key, value in own.items():
+                rec = self._by_id.get(id(value))
+                src = state_dict[key]
+                if rec is None:
+                    value.copy_(src)
+                    continue
+                if tuple(src.shape) != tuple(rec.shape):
+                    raise ParamFSMError(f"'{key}': shape {tuple(src.shape)} does not match {tuple(rec.shape)}")
+                flat = torch.zeros(rec.shard_numel * self.world, dtype=rec.shard.dtype)
+                flat[: rec.numel].copy_(src.reshape(-1))
+                lo = self.rank * rec.shard_numel
+                rec.shard.copy_(flat[lo: lo + rec.shard_numel].to(rec.shard.device))
+
+    # ------------------------------------------------------------------ control
+    def backward(self, loss, retain_graph=None, create_graph: bool = False, **kwargs) -> None:
+        """``loss.backward(...)``; identical to calling it directly (kept for explicitness and fallback)."""
+        keep = create_graph if retain_graph is None else retain_graph
+        gt.explicit_keep_graph.append(bool(keep))
+        try:
+            loss.backward(retain_graph=retain_graph, create_graph=create_graph, **kwargs)
+        finally:
+            gt.explicit_keep_graph.pop()
+
+    def flush(self) -> None:
+        """Return every deferred parameter to NOT_AVAILABLE now."""
+        self.scheduler.request_flush()
+
+    @contextlib.contextmanager
+    def gathered(self, *modules: nn.Module):
+        """Hold the full parameters of ``modules`` (all units if none given) for use outside forward.
+
+        Collective: every rank enters and leaves together.
+        """
+        wanted = {id(m) for m in modules}
+        chosen = [u for u in self.units if not wanted or id(u.module) in wanted
+                  or any(id(sub) in wanted for sub in _ancestors(self.model, u.name))]
+        for unit in chosen:
+            self.scheduler.hold(unit)
+        try:
+            yield
+        finally:
+            for unit in chosen:
+                self.scheduler.unhold(unit)
+
+    def close(self) -> nn.Module:
+        """Restore plain full parameters in the model and remove every hook; returns the model."""
+        if self.scheduler.closed:
+            return self.model
+        self.flush()
+        fulls = {id(rec): self.full_param(rec) for rec in self._by_id.values()}
+        for handle in self._handles:
+            handle.remove()
+        self.scheduler.closed = True
+        for rec in self._by_id.values():
+            rec.param.data = fulls[id(rec)]
+            if rec.shard.grad is not None:
+                rec.param.grad = self._gather_flat(rec.shard.grad, rec)
+        _SHARDED.pop(id(self.model), None)
+        return self.model
+
+
+def _ancestors(model: nn.Module, unit_name: str):
+    """The unit's module and every module above it (so rt.gathered(block) covers its sub-units)."""
+    parts = unit_name.split(".") if unit_name and unit_name != "<root>" else []
+    yield model
+    module = model
+    for part in parts:
+        module = getattr(module, part)
+        yield module

@@ -1,0 +1,342 @@
+"""The scheduler: the one place that turns hook events into FSM steps and effects.
+
+Hooks (``paramfsm.hooks``) only emit :class:`Event` objects. The scheduler
+queues them (FIFO), applies each to the parameters of its unit through
+:func:`paramfsm.fsm.step`, and hands the returned effects to the
+:class:`~paramfsm.executor.Executor`. Policy lives here and only here:
+prefetch order and buckets (:mod:`paramfsm.plan`), the retain policy, the
+deferred-bytes bound, per-graph-task bookkeeping, and the leak audit.
+
+[Note: one backward = one graph task]
+Pre-backward work happens in *every* graph task that reaches a unit: the
+task id comes with each backward event, and the first event of a task
+queues that task's final callback. Nothing is remembered "per process" or
+"per forward", which is exactly the once-per-process bug this project exists
+to make impossible.
+
+[Note: flushing deferred parameters at a new forward]
+A new root forward (outside backward) flushes every deferred parameter. An
+optimizer step may have changed the shards since they were gathered, so a
+deferred full copy may be stale; every rank runs the same forwards, so the
+flush is rank-consistent. It only costs a re-gather for a backward over an
+older retained graph, which is correct (deferral is an optimisation).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from paramfsm import graph_task as gt
+from paramfsm.audit import audit_leaks
+from paramfsm.fsm import StepContext, step
+from paramfsm.plan import PassState, Plan
+from paramfsm.spec import State
+
+log = logging.getLogger(__name__)
+
+FORWARD_BEGIN, FORWARD_END = "forward_begin", "forward_end"
+PRE_FORWARD, POST_FORWARD = "pre_forward", "post_forward"
+PRE_BACKWARD, POST_BACKWARD = "pre_backward", "post_backward"
+GRAD_READY, BACKWARD_END, GRAPH_FREED = "grad_ready", "backward_end", "graph_freed"
+FLUSH = "flush"
+
+
+class Event:
+    """What a hook saw: its kind, the unit (or record), the graph task and whether it keeps its graph."""
+
+    __slots__ = ("kind", "unit", "graph_task", "keep_graph", "record", "call")
+
+    def __init__(self, kind, unit=None, graph_task=gt.NO_TASK, keep_graph=False, record=None, call=None):
+        self.kind, self.unit, self.graph_task, self.keep_graph = kind, unit, graph_task, keep_graph
+        self.record, self.call = record, call
+
+    def __repr__(self) -> str:
+        target = self.unit.name if self.unit is not None else getattr(self.record, "name", "")
+        return f"<Event {self.kind} {target} task={self.graph_task} keep_graph={self.keep_graph}>"
+
+
+class TaskState:
+    """Bookkeeping of one running backward graph task."""
+
+    __slots__ = ("task", "keep_graph", "depth", "open", "seen", "passes")
+
+    def __init__(self, task: int, keep_graph: bool, depth: int):
+        self.task, self.keep_graph, self.depth = task, keep_graph, depth
+        self.open: dict = {}  # unit -> pre-backward fetches not yet released
+        self.seen: set = set()  # forward calls whose pre-backward already ran in this task
+        self.passes = PassState()
+
+
+class Scheduler:
+    """Applies events to parameter lifetimes; see the module docstring."""
+
+    def __init__(self, table, units, records, executor, *, rank: int, retain: str, prefetch: int,
+                 max_deferred_bytes, bucket_bytes: int, trace=None, strict: bool = False):
+        self.table, self.units, self.records, self.executor = table, units, records, executor
+        self.ctx = StepContext(rank, trace)
+        self.defer_allowed = retain == "defer"
+        self.prefetch = prefetch
+        self.max_deferred_bytes = max_deferred_bytes
+        self.strict = strict
+        self.deferred: dict = {}  # record -> None, oldest first
+        self.deferred_bytes = 0
+        self.peak_deferred_bytes = 0
+        self.tasks: dict[int, TaskState] = {}
+        self.forward = PassState()
+        self.forward_open = False
+        self.fwd_plan = Plan((), units, bucket_bytes)
+        self.bwd_plan = Plan((), units, bucket_bytes)
+        self.bucket_bytes = bucket_bytes
+        self.held_outside: dict = {}  # unit -> holds taken by rt.gathered
+        self.tasks_begun = 0
+        self.last_audit: list = []
+        self.closed = False
+        self._queue: deque = deque()
+        self._draining = False
+        self._gather_batch: list = []
+        self._effects = {
+            "start_gather": self._gather_batch.append,
+            "unpack": executor.install,
+            "discard_gather": executor.discard,
+            "free": executor.free,
+            "defer": self._defer,
+            "undefer": self._undefer,
+            "reduce_grad": executor.take_grad,
+        }
+        self._handlers = {
+            FORWARD_BEGIN: self._on_forward_begin, FORWARD_END: self._on_forward_end,
+            PRE_FORWARD: self._on_pre_forward, POST_FORWARD: self._on_post_forward,
+            PRE_BACKWARD: self._on_pre_backward, POST_BACKWARD: self._on_post_backward,
+            GRAD_READY: self._on_grad_ready, BACKWARD_END: self._on_backward_end,
+            GRAPH_FREED: self._on_graph_freed, FLUSH: lambda ev: self.flush(),
+        }
+
+    # ------------------------------------------------------------------ queue
+    def emit(self, event: Event) -> None:
+        """Queue an event and, unless already draining, apply every queued event in order."""
+        if self.closed:
+            return
+        self._queue.append(event)
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            queue, handlers, ctx = self._queue, self._handlers, self.ctx
+            while queue:
+                ev = queue.popleft()
+                ctx.graph_task = ev.graph_task
+                handlers[ev.kind](ev)
+        except BaseException:
+            self._queue.clear()
+            raise
+        finally:
+            self._draining = False
+
+    # ------------------------------------------------------------------ steps
+    def _step(self, rec, event: str, keep_graph: bool = False, retained: bool = False) -> None:
+        effects = step(self.table, rec, event, self.ctx, keep_graph, retained)
+        if effects:
+            run = self._effects
+            for effect in effects:
+                run[effect](rec)
+
+    def _issue(self) -> None:
+        """Issue one all-gather for every record that asked for start_gather in this decision."""
+        batch = self._gather_batch
+        if batch:
+            records = tuple(batch)
+            batch.clear()
+            self.executor.start_gather(records)
+
+    def _wait(self, unit) -> None:
+        """Make every INFLIGHT parameter of ``unit`` arrive (waiting for its whole bucket)."""
+        for rec in unit.records:
+            if rec.state is State.INFLIGHT:
+                gather = rec.pending
+                self.executor.wait_gather(gather)
+                for member in gather.records:
+                    if member.state is State.INFLIGHT and member.pending is gather:
+                        self._step(member, "arrive")
+
+    def fetch(self, unit, plan: Plan | None, passes: PassState | None) -> None:
+        """Fetch ``unit`` for a holder: gather it (with its bucket) if needed, wait, prefetch ahead.
+
+        Without a plan (first pass, recomputation inside backward, rt.gathered)
+        the unit is gathered alone and nothing is prefetched.
+        """
+        for rec in unit.records:
+            self._step(rec, "fetch")
+        bucket = plan.bucket_index(unit) if plan is not None else None
+        if bucket is not None and self._gather_batch and bucket not in passes.issued:
+            passes.issued.add(bucket)
+            for other in plan.buckets[bucket]:
+                if other is not unit:
+                    for rec in other.records:
+                        self._step(rec, "prefetch")
+        self._issue()
+        self._wait(unit)
+        if passes is not None:
+            passes.order.append(unit.index)
+            if bucket is not None:
+                self._prefetch_ahead(bucket, plan, passes)
+
+    def _prefetch_ahead(self, bucket: int, plan: Plan, passes: PassState) -> None:
+        """Issue the gathers of the next ``prefetch`` buckets (one collective each) not issued yet."""
+        passes.issued.add(bucket)
+        for ahead in range(bucket + 1, min(bucket + 1 + self.prefetch, len(plan.buckets))):
+            if ahead in passes.issued:
+                continue
+            passes.issued.add(ahead)
+            for other in plan.buckets[ahead]:
+                for rec in other.records:
+                    self._step(rec, "prefetch")
+            self._issue()
+
+    def release(self, unit, keep_graph: bool) -> None:
+        defer = keep_graph and self.defer_allowed
+        for rec in unit.records:
+            self._step(rec, "release", defer)
+
+    def _abandon(self, plan: Plan, passes: PassState) -> None:
+        """Drop prefetched parameters nobody fetched in a pass that ended."""
+        for bucket in passes.issued:
+            for unit in plan.buckets[bucket]:
+                for rec in unit.records:
+                    if rec.state is State.INFLIGHT or (rec.state is State.AVAILABLE and rec.holds == 0):
+                        self._step(rec, "abandon")
+
+    # ---------------------------------------------------------------- deferral
+    def _defer(self, rec) -> None:
+        self.deferred[rec] = None
+        self.deferred_bytes += rec.nbytes
+        self.peak_deferred_bytes = max(self.peak_deferred_bytes, self.deferred_bytes)
+        bound = self.max_deferred_bytes
+        if bound is not None:
+            while self.deferred_bytes > bound and self.deferred:
+                self._step(next(iter(self.deferred)), "flush")
+
+    def _undefer(self, rec) -> None:
+        if self.deferred.pop(rec, 0) is None:
+            self.deferred_bytes -= rec.nbytes
+
+    def request_flush(self) -> None:
+        """rt.flush(): queued like any event, so it never interleaves with a step in progress."""
+        self.emit(Event(FLUSH))
+
+    def flush(self) -> None:
+        """Return every deferred parameter (rt.flush(), a new forward, the final backward)."""
+        for rec in list(self.deferred):
+            self._step(rec, "flush")
+
+    # ---------------------------------------------------------------- handlers
+    def _on_forward_begin(self, ev: Event) -> None:
+        if gt.current_task() != gt.NO_TASK:
+            return  # a forward recomputed inside backward (activation checkpointing)
+        if self.forward_open or self.tasks:
+            self.recover("the previous forward or backward did not finish (an exception?)")
+        self.flush()
+        self.ctx.step += 1
+        self.forward = PassState()
+        self.forward_open = True
+
+    def _on_forward_end(self, ev: Event) -> None:
+        if gt.current_task() != gt.NO_TASK or not self.forward_open:
+            return
+        self.forward_open = False
+        self._abandon(self.fwd_plan, self.forward)
+        self.fwd_plan = self.fwd_plan.updated(self.forward.order)
+
+    def _on_pre_forward(self, ev: Event) -> None:
+        task = gt.current_task()
+        if task == gt.NO_TASK:
+            in_forward = self.forward_open
+            self.fetch(ev.unit, self.fwd_plan if in_forward else None, self.forward if in_forward else None)
+        else:
+            self._begin_task(task, gt.keeps_graph())
+            self.fetch(ev.unit, None, None)
+
+    def _on_post_forward(self, ev: Event) -> None:
+        task = gt.current_task()
+        if ev.call is not None:
+            ev.unit.live_graphs += 1
+        self.release(ev.unit, task != gt.NO_TASK and gt.keeps_graph())
+
+    def _on_pre_backward(self, ev: Event) -> None:
+        ts = self._begin_task(ev.graph_task, ev.keep_graph)
+        if ev.call in ts.seen:
+            return
+        ts.seen.add(ev.call)
+        unit = ev.unit
+        ts.open[unit] = ts.open.get(unit, 0) + 1
+        outer = ts.depth == 0
+        self.fetch(unit, self.bwd_plan if outer else None, ts.passes if outer else None)
+
+    def _on_post_backward(self, ev: Event) -> None:
+        ts = self._begin_task(ev.graph_task, ev.keep_graph)
+        unit = ev.unit
+        if ts.open.get(unit, 0) > 0:
+            ts.open[unit] -= 1
+            self.release(unit, ts.keep_graph)
+
+    def _on_grad_ready(self, ev: Event) -> None:
+        self._begin_task(ev.graph_task, ev.keep_graph)
+        self._step(ev.record, "grad_ready")
+
+    def _on_backward_end(self, ev: Event) -> None:
+        ts = self.tasks.pop(ev.graph_task, None)
+        if ts is None:
+            return
+        for unit, count in reversed(list(ts.open.items())):
+            for _ in range(count):
+                self.release(unit, ts.keep_graph)
+        self.executor.finish_reduces()
+        if ts.depth == 0:
+            self._abandon(self.bwd_plan, ts.passes)
+            self.bwd_plan = self.bwd_plan.updated(ts.passes.order)
+        if not self.tasks and not ts.keep_graph:
+            self.flush()
+            self.last_audit = audit_leaks(self, strict=self.strict)
+
+    def _on_graph_freed(self, ev: Event) -> None:
+        unit = ev.unit
+        unit.live_graphs -= 1
+        if unit.live_graphs > 0:
+            return
+        for rec in unit.records:
+            if rec.state is State.DEFERRED_RELEASE:
+                retained = any(u.live_graphs > 0 for u in rec.units)
+                self._step(rec, "graph_freed", retained=retained)
+
+    # ---------------------------------------------------------------- tasks
+    def _begin_task(self, task: int, keep_graph: bool) -> TaskState:
+        ts = self.tasks.get(task)
+        if ts is None:
+            ts = self.tasks[task] = TaskState(task, keep_graph, len(self.tasks))
+            self.tasks_begun += 1
+            emit = self.emit
+            gt.queue_final_callback(lambda: emit(Event(BACKWARD_END, graph_task=task)))
+        return ts
+
+    # ---------------------------------------------------------------- public helpers
+    def hold(self, unit) -> None:
+        """Fetch a unit for use outside forward/backward (rt.gathered)."""
+        self.held_outside[unit] = self.held_outside.get(unit, 0) + 1
+        self.fetch(unit, None, None)
+
+    def unhold(self, unit) -> None:
+        self.held_outside[unit] -= 1
+        if not self.held_outside[unit]:
+            del self.held_outside[unit]
+        self.release(unit, False)
+
+    def recover(self, why: str) -> None:
+        """Return every parameter to NOT_AVAILABLE after an interrupted forward or backward."""
+        log.warning("paramfsm: resetting gathered parameters on rank %d: %s", self.ctx.rank, why)
+        self._queue.clear()
+        self.tasks.clear()
+        self.forward_open = False
+        self.executor.finish_reduces()
+        for rec in self.records:
+            self._step(rec, "reset")
+        self.held_outside.clear()

@@ -1,0 +1,159 @@
+"""Partitioning: which parameters form which unit, and each parameter's shard and side-table record.
+
+A *unit* is a module whose parameters are gathered together in one
+collective. Each parameter belongs to the nearest enclosing unit module;
+a parameter reachable from several unit modules (tied weights) belongs to
+all of them, and its record counts every holder.
+
+The side table (:class:`ParamRecord`, keyed by the parameter) extends the
+FSM's :class:`~paramfsm.fsm.Lifetime` with what the executor needs: the
+rank's shard (a leaf ``nn.Parameter`` the optimizer updates), the full shape,
+the padded layout, and the staged / pending buffers of an in-flight gather.
+Nothing is set on the user's ``nn.Parameter`` objects except ``.data``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from paramfsm.errors import ParamFSMError
+from paramfsm.fsm import Lifetime
+
+
+class ParamRecord(Lifetime):
+    """One partitioned parameter: lifetime (from fsm) plus shard and buffers (executor-owned)."""
+
+    __slots__ = ("param", "shard", "shape", "numel", "shard_numel", "units", "names",
+                 "requires_grad", "staged", "pending", "shard_version")
+
+    def __init__(self, name: str, param: nn.Parameter, shard: nn.Parameter, shard_numel: int):
+        super().__init__(name, "", param.numel() * param.element_size())
+        self.param = param
+        self.shard = shard
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.shard_numel = shard_numel
+        self.units: tuple[Unit, ...] = ()
+        self.names: tuple[str, ...] = (name,)
+        self.requires_grad = param.requires_grad
+        self.staged: torch.Tensor | None = None  # the full tensor unpacked, not yet installed
+        self.pending = None  # the in-flight Gather this parameter is part of
+        self.shard_version = 0
+
+    def __repr__(self) -> str:
+        return f"<ParamRecord {self.name} {self.state.name} holds={self.holds}>"
+
+
+class Unit:
+    """A module whose parameters are gathered in one collective."""
+
+    __slots__ = ("index", "name", "module", "records", "nbytes", "live_graphs")
+
+    def __init__(self, index: int, name: str, module: nn.Module, records: Sequence[ParamRecord]):
+        self.index = index
+        self.name = name or "<root>"
+        self.module = module
+        self.records = tuple(records)
+        self.nbytes = sum(r.nbytes for r in self.records)
+        self.live_graphs = 0  # forward calls of this unit still referenced by an autograd graph
+
+    def __repr__(self) -> str:
+        return f"<Unit {self.index} {self.name} params={len(self.records)}>"
+
+
+UnitsArg = None | Sequence[type] | Sequence[nn.Module] | Callable[[str, nn.Module], bool]
+
+
+def select_unit_modules(model: nn.Module, units: UnitsArg) -> dict[str, nn.Module]:
+    """Qualified name -> module for every unit module, in module order; the root is always a unit.
+
+    ``units`` may be None (every module that directly owns parameters), a
+    sequence of module classes, a sequence of module instances, or a
+    predicate ``(qualified_name, module) -> bool``.
+    """
+    named = list(model.named_modules(remove_duplicate=True))
+    if units is None:
+        chosen = {name for name, m in named if any(True for _ in m.parameters(recurse=False))}
+    elif callable(units) and not isinstance(units, (list, tuple)):
+        chosen = {name for name, m in named if units(name, m)}
+    else:
+        units = tuple(units)
+        if all(isinstance(u, type) for u in units):
+            chosen = {name for name, m in named if isinstance(m, units)}
+        elif all(isinstance(u, nn.Module) for u in units):
+            wanted = {id(u) for u in units}
+            chosen = {name for name, m in named if id(m) in wanted}
+            if len(chosen) != len(wanted):
+                raise ParamFSMError("units=: some of the given modules are not submodules of the model")
+        else:
+            raise ParamFSMError("units= must be None, module classes, module instances or a predicate")
+    chosen.add("")
+    return {name: m for name, m in named if name in chosen}
+
+
+def owner_unit(param_name: str, unit_names: Iterable[str]) -> str:
+    """The nearest enclosing unit module name of a qualified parameter name."""
+    parts = param_name.split(".")[:-1]
+    names = set(unit_names)
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in names:
+            return candidate
+        parts.pop()
+    return ""
+
+
+def check_partitionable(model: nn.Module) -> None:
+    """Reject models paramfsm cannot partition, with a message that says what to do."""
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ParamFSMError(
+                f"parameter '{name}' is on the meta device; materialise the model first "
+                "(e.g. model.to_empty(device=...) and initialise it) before paramfsm.shard")
+        if not p.is_floating_point():
+            raise ParamFSMError(
+                f"parameter '{name}' has dtype {p.dtype}; paramfsm partitions floating-point "
+                "parameters only (register integer tensors as buffers)")
+
+
+def make_shard(param: torch.Tensor, rank: int, world: int) -> tuple[nn.Parameter, int]:
+    """This rank's 1/world slice of the flattened, zero-padded parameter, as a leaf Parameter."""
+    numel = param.numel()
+    shard_numel = -(-numel // world)
+    flat = param.detach().reshape(-1)
+    padded = torch.zeros(shard_numel * world, dtype=param.dtype, device=param.device)
+    padded[:numel].copy_(flat)
+    shard = nn.Parameter(padded[rank * shard_numel:(rank + 1) * shard_numel].clone(),
+                         requires_grad=param.requires_grad)
+    return shard, shard_numel
+
+
+def build_units(model: nn.Module, units: UnitsArg, rank: int, world: int) -> tuple[list[Unit], dict[int, ParamRecord]]:
+    """Shard every parameter and group the records into units; returns (units, records by id(param))."""
+    check_partitionable(model)
+    unit_modules = select_unit_modules(model, units)
+    records: dict[int, ParamRecord] = {}
+    members: dict[str, list[ParamRecord]] = {name: [] for name in unit_modules}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        rec = records.get(id(param))
+        if rec is None:
+            shard, shard_numel = make_shard(param, rank, world)
+            rec = records[id(param)] = ParamRecord(name, param, shard, shard_numel)
+        elif name not in rec.names:
+            rec.names = rec.names + (name,)
+        owner = owner_unit(name, unit_modules)
+        if rec not in members[owner]:
+            members[owner].append(rec)
+    built = []
+    for name, module in unit_modules.items():
+        if members[name]:
+            built.append(Unit(len(built), name, module, members[name]))
+    for unit in built:
+        for rec in unit.records:
+            rec.units = rec.units + (unit,)
+            if not rec.unit:
+                rec.unit = unit.name
+    return built, records
