@@ -24,7 +24,7 @@ from paramfsm.fsm import compile_table, default_table
 from paramfsm.scheduler import Scheduler
 from paramfsm.spec import State, load_spec
 from paramfsm.trace import Trace
-from paramfsm.units import build_units
+from paramfsm.units import ParamRecord, build_units
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class Runtime:
     # ------------------------------------------------------------------ lookup
     def record(self, param_or_name):
         """The side-table record of a parameter, by qualified name or by the parameter itself."""
+        if isinstance(param_or_name, ParamRecord):
+            return param_or_name
         if isinstance(param_or_name, str):
             rec = self._by_name.get(param_or_name)
         else:

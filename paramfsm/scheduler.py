@@ -14,6 +14,14 @@ queues that task's final callback. Nothing is remembered "per process" or
 "per forward", which is exactly the once-per-process bug this project exists
 to make impossible.
 
+[Note: the pending gradient is a holder]
+Pre-backward takes, besides the unit's hold, one hold per parameter that
+requires grad, released when autograd has accumulated that parameter's
+gradient for the graph task (``GRAD_READY``) or at the task's end. So a
+parameter stays gathered until its ``AccumulateGrad`` ran (which needs the
+full tensor: the seed bug's "size of tensor a (0)" message), and a tied
+parameter stays gathered between its uses instead of being re-gathered.
+
 [Note: flushing deferred parameters at a new forward]
 A new root forward (outside backward) flushes every deferred parameter. An
 optimizer step may have changed the shards since they were gathered, so a
@@ -59,13 +67,14 @@ class Event:
 class TaskState:
     """Bookkeeping of one running backward graph task."""
 
-    __slots__ = ("task", "keep_graph", "depth", "open", "seen", "passes")
+    __slots__ = ("task", "keep_graph", "depth", "open", "seen", "passes", "grad_holds")
 
     def __init__(self, task: int, keep_graph: bool, depth: int):
         self.task, self.keep_graph, self.depth = task, keep_graph, depth
         self.open: dict = {}  # unit -> pre-backward fetches not yet released
         self.seen: set = set()  # forward calls whose pre-backward already ran in this task
         self.passes = PassState()
+        self.grad_holds: dict = {}  # record -> None: parameters whose gradient is still to come
 
 
 class Scheduler:
@@ -210,11 +219,11 @@ class Scheduler:
     def _defer(self, rec) -> None:
         self.deferred[rec] = None
         self.deferred_bytes += rec.nbytes
-        self.peak_deferred_bytes = max(self.peak_deferred_bytes, self.deferred_bytes)
         bound = self.max_deferred_bytes
         if bound is not None:
             while self.deferred_bytes > bound and self.deferred:
                 self._step(next(iter(self.deferred)), "flush")
+        self.peak_deferred_bytes = max(self.peak_deferred_bytes, self.deferred_bytes)
 
     def _undefer(self, rec) -> None:
         if self.deferred.pop(rec, 0) is None:
@@ -271,6 +280,11 @@ class Scheduler:
         ts.open[unit] = ts.open.get(unit, 0) + 1
         outer = ts.depth == 0
         self.fetch(unit, self.bwd_plan if outer else None, ts.passes if outer else None)
+        holds = ts.grad_holds
+        for rec in unit.records:
+            if rec.requires_grad and rec not in holds:
+                holds[rec] = None
+                self._step(rec, "fetch")
 
     def _on_post_backward(self, ev: Event) -> None:
         ts = self._begin_task(ev.graph_task, ev.keep_graph)
@@ -280,8 +294,11 @@ class Scheduler:
             self.release(unit, ts.keep_graph)
 
     def _on_grad_ready(self, ev: Event) -> None:
-        self._begin_task(ev.graph_task, ev.keep_graph)
-        self._step(ev.record, "grad_ready")
+        ts = self._begin_task(ev.graph_task, ev.keep_graph)
+        rec = ev.record
+        self._step(rec, "grad_ready")
+        if ts.grad_holds.pop(rec, 0) is None:
+            self._step(rec, "release", ts.keep_graph and self.defer_allowed)
 
     def _on_backward_end(self, ev: Event) -> None:
         ts = self.tasks.pop(ev.graph_task, None)
@@ -290,6 +307,9 @@ class Scheduler:
         for unit, count in reversed(list(ts.open.items())):
             for _ in range(count):
                 self.release(unit, ts.keep_graph)
+        defer = ts.keep_graph and self.defer_allowed
+        for rec in ts.grad_holds:
+            self._step(rec, "release", defer)
         self.executor.finish_reduces()
         if ts.depth == 0:
             self._abandon(self.bwd_plan, ts.passes)
