@@ -1,0 +1,97 @@
+"""Gather/scatter packing for one unit's coalesced collectives.
+
+A unit all-gathers its parameters in one collective and reduce-scatters their
+gradients in one collective. These functions move data between the parameters'
+own storages and the flat ``[rank][param-shard]`` collective buffers described
+by :class:`ShardLayout`:
+
+* :func:`pack_shards` - this rank's shards into the all-gather send buffer;
+* :func:`unpack_gathered` - the all-gather result into the full parameters;
+* :func:`pack_grads` - full gradients into the reduce-scatter input.
+
+Each call dispatches on device: CUDA tensors use the CuPy kernels in
+:mod:`paramfsm.kernels.cupy_impl` (one launch per unit) when CuPy and a CUDA
+device are available, everything else uses :mod:`paramfsm.kernels.torch_impl`.
+Both give the same bits: dtype changes go through fp32 and round to nearest
+even, as torch's ``copy_`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import cupy_impl, torch_impl
+from .layout import ShardLayout, shard_layout
+
+__all__ = [
+    "ShardLayout",
+    "cupy_impl",
+    "kernels_available",
+    "pack_grads",
+    "pack_shards",
+    "shard_layout",
+    "torch_impl",
+    "unpack_gathered",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def kernels_available() -> bool:
+    """Whether the CuPy kernels can run: CuPy imports and a CUDA device is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception as exc:
+        logger.info("CuPy kernels unavailable, using torch packing: %s", exc)
+        return False
+
+
+def pack_shards(shards: Sequence[Tensor], out: Tensor) -> Tensor:
+    """Concatenate this rank's 1-D shards (lengths ``s_i``) into ``out``.
+
+    ``out`` is 1-D with ``sum(s_i)`` elements; values are cast to its dtype (e.g.
+    fp32 shards into a bf16 send buffer). Returns ``out``.
+    """
+    if out.is_cuda and kernels_available():
+        return cupy_impl.pack_shards(shards, out)
+    return torch_impl.pack_shards(shards, out)
+
+
+def unpack_gathered(
+    gathered: Tensor, outs: Sequence[Tensor], shard_numels: Sequence[int], world: int
+) -> None:
+    """Write each parameter's unpadded value from a ``[rank][param-shard]`` buffer.
+
+    ``gathered`` is 1-D with ``world * sum(shard_numels)`` elements. ``outs[i]``
+    is a contiguous tensor of any shape with ``n_i`` elements, where
+    ``shard_numels[i] == ceil(n_i / world)``; it receives the first ``n_i``
+    elements of parameter ``i``'s padded flat value, cast to its dtype.
+    """
+    if gathered.is_cuda and kernels_available():
+        cupy_impl.unpack_gathered(gathered, outs, shard_numels, world)
+    else:
+        torch_impl.unpack_gathered(gathered, outs, shard_numels, world)
+
+
+def pack_grads(
+    grads: Sequence[Optional[Tensor]], shard_numels: Sequence[int], world: int, out: Tensor
+) -> Tensor:
+    """Pack full gradients into a ``[rank][param-shard]`` reduce-scatter input.
+
+    ``grads[i]`` is a contiguous tensor with ``n_i`` elements or ``None`` (zeros);
+    ``out`` is 1-D with ``world * sum(shard_numels)`` elements. Padding is written
+    as zeros and values are cast to ``out.dtype``. Returns ``out``.
+    """
+    if out.is_cuda and kernels_available():
+        return cupy_impl.pack_grads(grads, shard_numels, world, out)
+    return torch_impl.pack_grads(grads, shard_numels, world, out)
