@@ -31,7 +31,7 @@ class Leak:
     recent: tuple
 
     def __str__(self) -> str:
-        events = "; ".join(f"step {s} task {g}: {e} {a}->{b}" for s, g, e, a, b in self.recent)
+        events = "; ".join(f"step {s} task {g}: {e} {a.name}->{b.name}" for s, g, e, a, b in self.recent)
         return f"'{self.param}' (unit '{self.unit}') left {self.state.name} holds={self.holds}: {self.why}. Last events: {events}"
 
 

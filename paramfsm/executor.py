@@ -77,8 +77,7 @@ class Executor:
         dtype = self.param_dtype
         if self.world == 1:
             for rec in records:
-                shard = rec.shard.detach()
-                rec.staged = (shard if dtype in (None, shard.dtype) else shard.to(dtype)).view(rec.shape)
+                rec.staged = self._local_full(rec, dtype)
             gather = Gather(None, None, records, None)
         else:
             first = records[0].shard
@@ -94,6 +93,16 @@ class Executor:
         for rec in records:
             rec.pending = gather
         return gather
+
+    @staticmethod
+    def _local_full(rec, dtype):
+        """World 1: the shard is the whole parameter; gather it as a view (or a cast copy)."""
+        if dtype is not None and dtype != rec.shard.dtype:
+            return rec.shard.detach().to(dtype).view(rec.shape)
+        view = rec.local_view
+        if view is None:
+            view = rec.local_view = rec.shard.detach().view(rec.shape)
+        return view
 
     def wait_gather(self, gather: Gather) -> None:
         """Wait for a gather and stage every parameter's full tensor (idempotent)."""
@@ -140,10 +149,12 @@ class Executor:
         if grad is None:
             return
         rec.param.grad = None
+        if grad.requires_grad:
+            grad = grad.detach()
         if self.world == 1:
-            self._accumulate(rec, grad.detach().reshape(-1), owned=True)
+            self._accumulate(rec, grad.reshape(-1), owned=True)
             return
-        self._grads.append((rec, grad.detach()))
+        self._grads.append((rec, grad))
         self._grad_bytes += grad.numel() * grad.element_size()
         if self._grad_bytes >= self.bucket_bytes:
             self.flush_grads()

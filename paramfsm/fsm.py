@@ -151,7 +151,7 @@ def step(table: Table, rec: Lifetime, event: str, ctx: StepContext,
         holds_before = rec.holds
         rec.state = cell.dst
         rec.holds = 0 if cell.reset else holds_before + cell.hold
-        rec.recent.append((ctx.step, ctx.graph_task, event, src.name, cell.dst.name))
+        rec.recent.append((ctx.step, ctx.graph_task, event, src, cell.dst))
         trace = ctx.trace
         if trace is not None:
             trace.append(time.perf_counter_ns(), ctx, rec, event, src, cell.dst, cell.effects,
@@ -163,6 +163,6 @@ def step(table: Table, rec: Lifetime, event: str, ctx: StepContext,
 
 
 def _illegal(rec: Lifetime, event: str, ctx: StepContext, reason: str) -> IllegalTransition:
-    history = [f"step {s} graph_task {g}: {e}: {a} -> {b}" for s, g, e, a, b in rec.recent]
+    history = [f"step {s} graph_task {g}: {e}: {a.name} -> {b.name}" for s, g, e, a, b in rec.recent]
     return IllegalTransition(param=rec.name, unit=rec.unit, state=rec.state.name, event=event,
                              rank=ctx.rank, reason=reason, holds=rec.holds, history=history)

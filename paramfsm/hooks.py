@@ -1,11 +1,11 @@
 """Module and autograd hooks. They only emit events; the scheduler decides everything.
 
 Per unit module:
-- forward pre-hook: ``PRE_FORWARD``; when grad is enabled it also routes the
-  tensor inputs that require grad through :class:`_PostBackward`, whose
-  backward emits ``POST_BACKWARD`` once the unit's backward is done;
+- forward pre-hook: ``PRE_FORWARD``; when grad is enabled it also arranges
+  for ``POST_BACKWARD`` once the gradients of the unit's inputs are complete
+  (see ``_route_inputs``);
 - forward hook: ``POST_FORWARD``; when the outputs are part of an autograd
-  graph it registers a gradient hook on them that emits ``PRE_BACKWARD``
+  graph it registers a pre-hook on their nodes that emits ``PRE_BACKWARD``
   (in every graph task that reaches them: retained-graph backward passes and
   checkpoint recomputation included) and ties a :class:`ForwardCall` to the
   graph, whose collection emits ``GRAPH_FREED``.
@@ -17,12 +17,12 @@ graph task (after all of its uses, tied weights included).
 On the root module: ``FORWARD_BEGIN`` / ``FORWARD_END`` around the forward.
 
 [Note: why post-backward rides on the inputs]
-The gradient of a unit's inputs is produced by the unit's last backward node.
-Autograd runs ``AccumulateGrad`` nodes (highest priority in the ready queue)
-as soon as they are ready, so by the time ``_PostBackward.backward`` runs,
-the unit's parameter gradients have been accumulated and its full
-parameters may be released. A unit none of whose inputs require grad (the
-first layer) is released by the scheduler at the end of the graph task.
+The gradient of a unit's inputs is complete only after every backward node
+of the unit that leads to them ran, so the unit's own hold can be released
+there. Parameters that still wait for their ``AccumulateGrad`` keep a
+gradient hold (see the scheduler), so this release never frees a parameter
+autograd still needs. A unit none of whose inputs require grad (the first
+layer) is released by the scheduler at the end of the graph task.
 """
 
 from __future__ import annotations
@@ -72,20 +72,53 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _on_output_grad(call: ForwardCall, grad):
+def _on_output_grad(call: ForwardCall, grad_outputs):
     call.emit(Event(PRE_BACKWARD, call.unit, gt.backward_task(), gt.keeps_graph(), call=call))
     return None
+
+
+def _on_input_grad(emit, unit, grad_outputs):
+    emit(Event(POST_BACKWARD, unit, gt.backward_task(), gt.keeps_graph()))
+    return None
+
+
+def _route_inputs(emit, unit, tensors: list):
+    """Arrange one POST_BACKWARD per call; return replacement tensors (or None to keep the inputs).
+
+    One non-leaf input: a pre-hook on the node that produced it fires once
+    its gradient is complete, i.e. after this unit's backward (cheap, no
+    extra node). Several inputs, or leaf inputs: route them through
+    :class:`_PostBackward`, whose single node fires after all of them.
+    """
+    if len(tensors) == 1 and tensors[0].grad_fn is not None:
+        tensors[0].grad_fn.register_prehook(partial(_on_input_grad, emit, unit))
+        return None
+    return _PostBackward.apply(emit, unit, *tensors)
 
 
 def _pre_forward(emit, unit, module, args, kwargs):
     emit(Event(PRE_FORWARD, unit))
     if not torch.is_grad_enabled():
         return None
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        # Fast path for the common positional-tensors call: no pytree round trip.
+        positions = [i for i, a in enumerate(args) if a.requires_grad]
+        if not positions:
+            return None
+        routed = _route_inputs(emit, unit, [args[i] for i in positions])
+        if routed is None:
+            return None
+        new_args = list(args)
+        for i, tensor in zip(positions, routed):
+            new_args[i] = tensor
+        return tuple(new_args), kwargs
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
         return None
-    routed = _PostBackward.apply(emit, unit, *(flat[i] for i in positions))
+    routed = _route_inputs(emit, unit, [flat[i] for i in positions])
+    if routed is None:
+        return None
     for i, tensor in zip(positions, routed):
         flat[i] = tensor
     return tree_unflatten(flat, spec)
@@ -94,13 +127,17 @@ def _pre_forward(emit, unit, module, args, kwargs):
 def _post_forward(emit, unit, module, args, output):
     call = None
     if torch.is_grad_enabled():
-        flat, _ = tree_flatten(output)
-        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        if tensors:
+        if isinstance(output, torch.Tensor):
+            nodes = [output.grad_fn] if output.grad_fn is not None else []
+        else:
+            flat, _ = tree_flatten(output)
+            nodes = list({id(t.grad_fn): t.grad_fn for t in flat
+                          if isinstance(t, torch.Tensor) and t.grad_fn is not None}.values())
+        if nodes:
             call = ForwardCall(unit, emit)
             hook = partial(_on_output_grad, call)
-            for tensor in tensors:
-                tensor.register_hook(hook)
+            for node in nodes:
+                node.register_prehook(hook)
     emit(Event(POST_FORWARD, unit, call=call))
     return None
 

@@ -22,6 +22,13 @@ parameter stays gathered until its ``AccumulateGrad`` ran (which needs the
 full tensor: the seed bug's "size of tensor a (0)" message), and a tied
 parameter stays gathered between its uses instead of being re-gathered.
 
+[Note: a forward recomputed inside backward belongs to its graph task]
+Activation checkpointing re-runs forwards inside a backward. Non-reentrant
+``torch.utils.checkpoint`` stops a recomputation early (it raises inside the
+last saved-tensor hook it needs), so a unit's post-forward may never come.
+Those fetches are therefore counted per graph task (``recomputing``) and any
+left when the task ends are released with it, like ``open``.
+
 [Note: flushing deferred parameters at a new forward]
 A new root forward (outside backward) flushes every deferred parameter. An
 optimizer step may have changed the shards since they were gathered, so a
@@ -67,11 +74,12 @@ class Event:
 class TaskState:
     """Bookkeeping of one running backward graph task."""
 
-    __slots__ = ("task", "keep_graph", "depth", "open", "seen", "passes", "grad_holds")
+    __slots__ = ("task", "keep_graph", "depth", "open", "recomputing", "seen", "passes", "grad_holds")
 
     def __init__(self, task: int, keep_graph: bool, depth: int):
         self.task, self.keep_graph, self.depth = task, keep_graph, depth
         self.open: dict = {}  # unit -> pre-backward fetches not yet released
+        self.recomputing: dict = {}  # unit -> forwards recomputed in this task, not yet ended
         self.seen: set = set()  # forward calls whose pre-backward already ran in this task
         self.passes = PassState()
         self.grad_holds: dict = {}  # record -> None: parameters whose gradient is still to come
@@ -96,6 +104,8 @@ class Scheduler:
         self.forward_open = False
         self.fwd_plan = Plan((), units, bucket_bytes)
         self.bwd_plan = Plan((), units, bucket_bytes)
+        # One rank gathers nothing over the wire: buckets and prefetch would only add steps.
+        self.planning = executor.world > 1
         self.bucket_bytes = bucket_bytes
         self.held_outside: dict = {}  # unit -> holds taken by rt.gathered
         self.tasks_begun = 0
@@ -124,14 +134,16 @@ class Scheduler:
     # ------------------------------------------------------------------ queue
     def emit(self, event: Event) -> None:
         """Queue an event and, unless already draining, apply every queued event in order."""
-        if self.closed:
-            return
-        self._queue.append(event)
         if self._draining:
+            self._queue.append(event)
+            return
+        if self.closed:
             return
         self._draining = True
         try:
             queue, handlers, ctx = self._queue, self._handlers, self.ctx
+            ctx.graph_task = event.graph_task
+            handlers[event.kind](event)
             while queue:
                 ev = queue.popleft()
                 ctx.graph_task = ev.graph_task
@@ -149,6 +161,15 @@ class Scheduler:
             run = self._effects
             for effect in effects:
                 run[effect](rec)
+
+    def _step_all(self, records, event: str, keep_graph: bool = False) -> None:
+        """``_step`` for every record of a unit, with the lookups hoisted out of the loop."""
+        table, ctx, run = self.table, self.ctx, self._effects
+        for rec in records:
+            effects = step(table, rec, event, ctx, keep_graph)
+            if effects:
+                for effect in effects:
+                    run[effect](rec)
 
     def _issue(self) -> None:
         """Issue one all-gather for every record that asked for start_gather in this decision."""
@@ -174,15 +195,13 @@ class Scheduler:
         Without a plan (first pass, recomputation inside backward, rt.gathered)
         the unit is gathered alone and nothing is prefetched.
         """
-        for rec in unit.records:
-            self._step(rec, "fetch")
+        self._step_all(unit.records, "fetch")
         bucket = plan.bucket_index(unit) if plan is not None else None
         if bucket is not None and self._gather_batch and bucket not in passes.issued:
             passes.issued.add(bucket)
             for other in plan.buckets[bucket]:
                 if other is not unit:
-                    for rec in other.records:
-                        self._step(rec, "prefetch")
+                    self._step_all(other.records, "prefetch")
         self._issue()
         self._wait(unit)
         if passes is not None:
@@ -198,14 +217,11 @@ class Scheduler:
                 continue
             passes.issued.add(ahead)
             for other in plan.buckets[ahead]:
-                for rec in other.records:
-                    self._step(rec, "prefetch")
+                self._step_all(other.records, "prefetch")
             self._issue()
 
     def release(self, unit, keep_graph: bool) -> None:
-        defer = keep_graph and self.defer_allowed
-        for rec in unit.records:
-            self._step(rec, "release", defer)
+        self._step_all(unit.records, "release", keep_graph and self.defer_allowed)
 
     def _abandon(self, plan: Plan, passes: PassState) -> None:
         """Drop prefetched parameters nobody fetched in a pass that ended."""
@@ -259,17 +275,24 @@ class Scheduler:
     def _on_pre_forward(self, ev: Event) -> None:
         task = gt.current_task()
         if task == gt.NO_TASK:
-            in_forward = self.forward_open
-            self.fetch(ev.unit, self.fwd_plan if in_forward else None, self.forward if in_forward else None)
+            planned = self.forward_open and self.planning
+            self.fetch(ev.unit, self.fwd_plan if planned else None, self.forward if planned else None)
         else:
-            self._begin_task(task, gt.keeps_graph())
+            ts = self._begin_task(task, gt.keeps_graph())
+            ts.recomputing[ev.unit] = ts.recomputing.get(ev.unit, 0) + 1
             self.fetch(ev.unit, None, None)
 
     def _on_post_forward(self, ev: Event) -> None:
         task = gt.current_task()
         if ev.call is not None:
             ev.unit.live_graphs += 1
-        self.release(ev.unit, task != gt.NO_TASK and gt.keeps_graph())
+        if task == gt.NO_TASK:
+            self.release(ev.unit, False)
+            return
+        ts = self.tasks.get(task)
+        if ts is not None and ts.recomputing.get(ev.unit, 0) > 0:
+            ts.recomputing[ev.unit] -= 1
+            self.release(ev.unit, ts.keep_graph)
 
     def _on_pre_backward(self, ev: Event) -> None:
         ts = self._begin_task(ev.graph_task, ev.keep_graph)
@@ -278,8 +301,8 @@ class Scheduler:
         ts.seen.add(ev.call)
         unit = ev.unit
         ts.open[unit] = ts.open.get(unit, 0) + 1
-        outer = ts.depth == 0
-        self.fetch(unit, self.bwd_plan if outer else None, ts.passes if outer else None)
+        planned = ts.depth == 0 and self.planning
+        self.fetch(unit, self.bwd_plan if planned else None, ts.passes if planned else None)
         holds = ts.grad_holds
         for rec in unit.records:
             if rec.requires_grad and rec not in holds:
@@ -304,9 +327,10 @@ class Scheduler:
         ts = self.tasks.pop(ev.graph_task, None)
         if ts is None:
             return
-        for unit, count in reversed(list(ts.open.items())):
-            for _ in range(count):
-                self.release(unit, ts.keep_graph)
+        for held in (ts.open, ts.recomputing):
+            for unit, count in reversed(list(held.items())):
+                for _ in range(count):
+                    self.release(unit, ts.keep_graph)
         defer = ts.keep_graph and self.defer_allowed
         for rec in ts.grad_holds:
             self._step(rec, "release", defer)

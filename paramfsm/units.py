@@ -27,7 +27,7 @@ class ParamRecord(Lifetime):
     """One partitioned parameter: lifetime (from fsm) plus shard and buffers (executor-owned)."""
 
     __slots__ = ("param", "shard", "shape", "numel", "shard_numel", "units", "names",
-                 "requires_grad", "staged", "pending", "shard_version")
+                 "requires_grad", "staged", "pending", "local_view")
 
     def __init__(self, name: str, param: nn.Parameter, shard: nn.Parameter, shard_numel: int):
         super().__init__(name, "", param.numel() * param.element_size())
@@ -41,7 +41,7 @@ class ParamRecord(Lifetime):
         self.requires_grad = param.requires_grad
         self.staged: torch.Tensor | None = None  # the full tensor unpacked, not yet installed
         self.pending = None  # the in-flight Gather this parameter is part of
-        self.shard_version = 0
+        self.local_view: torch.Tensor | None = None  # world 1: the shard viewed as the full parameter
 
     def __repr__(self) -> str:
         return f"<ParamRecord {self.name} {self.state.name} holds={self.holds}>"

@@ -1,0 +1,105 @@
+"""Median time per training step (forward + backward + optimizer step), all measured in one run.
+
+Two models:
+  (a) 200 x Linear(8, 8), batch 32: framework overhead (the compute is tiny);
+  (b) 16 x Linear(1024, 1024), batch 32: real work.
+Four ways to run each: plain torch in one process; paramfsm with world 1;
+paramfsm with world 2 (gloo, 127.0.0.1); PyTorch FSDP2 (``fully_shard`` per
+layer) with world 2. Ratios are against plain torch measured in the same run.
+
+    python benchmarks/step_overhead.py [--steps 30] [--warmup 5] [--only a|b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+from paramfsm.launch import RankPool
+
+MODELS = {"a": (200, 8), "b": (16, 1024)}
+BATCH = 32
+
+
+def build(name: str) -> nn.Module:
+    depth, width = MODELS[name]
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(depth)))
+
+
+def time_steps(model, params, steps: int, warmup: int, width: int) -> float:
+    """Median seconds per step of SGD on a squared-output loss."""
+    opt = torch.optim.SGD(params, lr=1e-3)
+    x = torch.randn(BATCH, width)
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def plain(name: str, steps: int, warmup: int) -> float:
+    model = build(name)
+    return time_steps(model, model.parameters(), steps, warmup, MODELS[name][1])
+
+
+def paramfsm_job(rank, world, name, steps, warmup):
+    import paramfsm
+
+    model = build(name)
+    rt = paramfsm.shard(model)
+    seconds = time_steps(model, rt.shard_parameters(), steps, warmup, MODELS[name][1])
+    counters = rt.counters
+    rt.close()
+    return seconds, counters
+
+
+def fsdp2_job(rank, world, name, steps, warmup):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build(name)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return time_steps(model, model.parameters(), steps, warmup, MODELS[name][1]), None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--only", choices=sorted(MODELS))
+    args = parser.parse_args(argv)
+    names = [args.only] if args.only else sorted(MODELS)
+    rows = []
+    with RankPool(1) as one, RankPool(2) as two:
+        for name in names:
+            print(f"model ({name}): measuring ...", file=sys.stderr, flush=True)
+            base = plain(name, args.steps, args.warmup)
+            w1, c1 = one.run(paramfsm_job, name, args.steps, args.warmup)[0]
+            w2, c2 = two.run(paramfsm_job, name, args.steps, args.warmup)[0]
+            f2 = two.run(fsdp2_job, name, args.steps, args.warmup)[0][0]
+            steps_run = args.steps + args.warmup
+            rows.append((name, base, w1, w2, f2, c2["all_gathers"] / steps_run, c2["reduce_scatters"] / steps_run))
+    depth_width = {n: f"{d}xLinear({w},{w})" for n, (d, w) in MODELS.items()}
+    print(f"{'model':<22}{'plain ms':>10}{'pfsm w1 ms':>12}{'pfsm w2 ms':>12}{'FSDP2 w2 ms':>13}"
+          f"{'w1/plain':>10}{'w2/plain':>10}{'w2/FSDP2':>10}{'AG/step':>9}{'RS/step':>9}")
+    for name, base, w1, w2, f2, ag, rs in rows:
+        print(f"({name}) {depth_width[name]:<18}{base * 1e3:>10.2f}{w1 * 1e3:>12.2f}{w2 * 1e3:>12.2f}{f2 * 1e3:>13.2f}"
+              f"{w1 / base:>10.2f}{w2 / base:>10.2f}{w2 / f2:>10.2f}{ag:>9.1f}{rs:>9.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
