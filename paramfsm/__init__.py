@@ -8,8 +8,16 @@ reduce-scatter). See the README for the public contract.
 """
 
 from paramfsm.errors import IllegalTransition, ParamFSMError, RankDesync, SpecError
-from paramfsm.runtime import Runtime, shard
 from paramfsm.spec import State
 
 __all__ = ["shard", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """Import the torch-backed runtime on first use, so the CLI and the pure core start fast."""
+    if name in ("shard", "Runtime"):
+        from paramfsm import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'paramfsm' has no attribute {name!r}")

@@ -34,7 +34,7 @@ class Outcome:
     __slots__ = ("kind", "dst", "effects", "hold", "reset", "reason", "entry")
 
     def __init__(self, rule):
-        self.kind = rule.kind
+        self.kind = {TRANSITION: TRANSITION, IGNORE: IGNORE, ERROR: ERROR}[rule.kind]  # the module's constants
         self.dst = State[rule.dst] if rule.dst else None
         self.effects: tuple[str, ...] = rule.effects
         delta = _HOLD_DELTA[rule.holds]

@@ -132,6 +132,8 @@ def load_spec(path: str | Path | None = None) -> Spec:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SpecError(path, "file", "no such file") from None
+    except OSError as exc:
+        raise SpecError(path, "file", f"cannot read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(path, "toml", f"not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
@@ -161,7 +163,7 @@ def parse_spec(raw: Mapping, file: str = "<spec>") -> Spec:
         holds = body.get("holds", "any")
         if holds not in ("zero", "any"):
             raise fail(entry, f"holds must be 'zero' or 'any', not {holds!r}")
-        invariants = tuple(body.get("invariants", ()))
+        invariants = tuple(_name_list(body.get("invariants", []), entry, "invariants", fail))
         for inv in invariants:
             if inv not in INVARIANTS:
                 raise fail(entry, f"unknown invariant {inv!r}; known: {sorted(INVARIANTS)}")
@@ -172,7 +174,7 @@ def parse_spec(raw: Mapping, file: str = "<spec>") -> Spec:
 
     events = {str(k): str(v) for k, v in raw_events.items()}
     initial = machine.get("initial")
-    if initial not in states:
+    if not isinstance(initial, str) or initial not in states:
         raise fail("machine.initial", f"unknown initial state {initial!r}")
 
     rules = tuple(_parse_rules(raw, states, events, fail))
@@ -197,6 +199,12 @@ def _names(value, entry: str, what: str, fail) -> list[str]:
     raise fail(entry, f"{what} must be a name or a non-empty list of names")
 
 
+def _name_list(value, entry: str, what: str, fail) -> list[str]:
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise fail(entry, f"{what} must be a list of names, like [\"a\", \"b\"]")
+
+
 def _parse_rules(raw, states, events, fail) -> Iterator[Rule]:
     allowed = {
         "transition": {"src", "event", "when", "dst", "effects", "holds", "reason"},
@@ -209,6 +217,8 @@ def _parse_rules(raw, states, events, fail) -> Iterator[Rule]:
             raise fail(kind, f"use [[{kind}]] (an array of tables)")
         for index, row in enumerate(rows, start=1):
             entry = f"{kind} #{index}"
+            if not isinstance(row, dict):
+                raise fail(entry, f"use [[{kind}]] (an array of tables)")
             extra = set(row) - allowed[kind]
             if extra:
                 raise fail(entry, f"unknown key {sorted(extra)[0]!r}; allowed: {sorted(allowed[kind])}")
@@ -222,7 +232,7 @@ def _parse_rules(raw, states, events, fail) -> Iterator[Rule]:
                 if ev not in events:
                     raise fail(entry, f"unknown event {ev!r}; declare it under [events]")
             when = []
-            for guard in row.get("when", []):
+            for guard in _name_list(row.get("when", []), entry, "when", fail):
                 name, negated = (guard[1:], True) if guard.startswith("!") else (guard, False)
                 if name not in GUARDS:
                     raise fail(entry, f"unknown guard {name!r}; known: {sorted(GUARDS)}")
@@ -232,7 +242,7 @@ def _parse_rules(raw, states, events, fail) -> Iterator[Rule]:
                 dst = row.get("dst")
                 if dst not in states:
                     raise fail(entry, f"unknown dst state {dst!r}")
-                effects = tuple(row.get("effects", ()))
+                effects = tuple(_name_list(row.get("effects", []), entry, "effects", fail))
                 for eff in effects:
                     if eff not in EFFECTS:
                         raise fail(entry, f"unknown effect {eff!r}; known: {sorted(EFFECTS)}")

@@ -51,12 +51,30 @@ class TraceRecord:
 
     @classmethod
     def from_json(cls, obj: dict) -> "TraceRecord":
+        """Build a record from its JSON object; raises ValueError naming a missing or mistyped field."""
+        if not isinstance(obj, dict):
+            raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
         missing = [f for f in FIELDS[:11] if f not in obj]
         if missing:
             raise ValueError(f"record lacks field(s) {missing}")
         kwargs = {f: obj[f] for f in FIELDS if f in obj}
+        for field, value in kwargs.items():
+            if not _FIELD_CHECKS[field](value):
+                raise ValueError(f"field {field!r} has the wrong type: {value!r}")
         kwargs["effects"] = tuple(kwargs["effects"])
         return cls(**kwargs)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_FIELD_CHECKS = {
+    **dict.fromkeys(("seq", "t_ns", "rank", "step", "graph_task", "holds", "nbytes"), _is_int),
+    **dict.fromkeys(("param", "unit", "event", "src", "dst"), lambda v: isinstance(v, str)),
+    **dict.fromkeys(("keep_graph", "retained"), lambda v: isinstance(v, bool)),
+    "effects": lambda v: isinstance(v, list) and all(isinstance(e, str) for e in v),
+}
 
 
 class Trace:

@@ -1,0 +1,267 @@
+"""The ``paramfsm`` command line: check and draw specs, check, summarize, export and compare traces.
+
+Usage (also ``python -m paramfsm``)::
+
+    paramfsm spec check [FILE]                 validate a spec (the shipped one by default)
+    paramfsm spec draw [FILE] [-o OUT]         mermaid state diagram
+    paramfsm trace check T.jsonl [--spec FILE] replay a trace; name the first illegal record
+    paramfsm trace summary T.jsonl             time per state, gathers, deferred windows, leaks
+    paramfsm trace export T.jsonl --perfetto OUT.json
+    paramfsm trace diff A.jsonl B.jsonl        first divergence between two ranks' traces
+
+Each command group is added by a ``register(subparsers)`` function, and every
+leaf command stores its handler as ``func``; a handler takes the parsed
+arguments and returns the exit status. Optional groups live in their own
+modules and provide ``add_parser(subparsers)`` (``paramfsm.verify`` for
+``paramfsm verify``); they are imported only when the command line may name
+them, so the built-in commands never pay for their imports.
+
+Exit status: 0 on success, 1 when the input is wrong (an invalid spec, an
+illegal or malformed trace, traces that differ), 2 for a usage error such as
+a missing input file. Results go to stdout; whatever makes the status
+nonzero is one message on stderr, never a traceback. ``-v``/``--verbose``
+goes before the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from paramfsm.errors import SpecError
+
+log = logging.getLogger(__name__)
+
+PROG = "paramfsm"
+#: Modules that add a command group with ``add_parser(subparsers)`` when they exist.
+OPTIONAL_COMMANDS = {"verify": "paramfsm.verify"}
+
+
+class CommandError(Exception):
+    """A handler's way to fail with a message and an exit status (1: bad input, 2: usage)."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
+
+
+# ------------------------------------------------------------------------ spec
+
+
+def register_spec(subparsers) -> None:
+    """Add ``spec check`` and ``spec draw``."""
+    group = subparsers.add_parser("spec", help="validate or draw a lifetime spec")
+    commands = group.add_subparsers(dest="spec_command", required=True, metavar="COMMAND")
+
+    check = commands.add_parser("check", help="validate a spec and summarize it")
+    check.add_argument("file", nargs="?", type=_input_file, help="spec TOML (default: the shipped spec)")
+    check.set_defaults(func=_spec_check)
+
+    draw = commands.add_parser("draw", help="draw a spec as a mermaid state diagram")
+    draw.add_argument("file", nargs="?", type=_input_file, help="spec TOML (default: the shipped spec)")
+    draw.add_argument("-o", "--output", type=Path, help="write the diagram here instead of stdout")
+    draw.set_defaults(func=_spec_draw)
+
+
+def _spec_check(args) -> int:
+    spec = _load_spec(args.file)
+    kinds = {kind: sum(r.kind == kind for r in spec.rules) for kind in ("transition", "ignore", "error")}
+    print(
+        f"OK: {spec.file} defines '{spec.name}' with {len(spec.states)} states "
+        f"({', '.join(spec.states)}), {len(spec.events)} events ({', '.join(spec.events)}) and "
+        f"{len(spec.rules)} rows ({kinds['transition']} transitions, {kinds['ignore']} ignored, "
+        f"{kinds['error']} errors) after expanding multi-event rows. Every (state, event) pair is "
+        f"covered by exactly one row for every extended state, no two guards overlap, holds never "
+        f"go negative, and every state is reachable from {spec.initial}."
+    )
+    return 0
+
+
+def _spec_draw(args) -> int:
+    from paramfsm.machine import draw_mermaid
+
+    spec = _load_spec(args.file)
+    text = draw_mermaid(spec)
+    if args.output is None:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        return 0
+    try:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise CommandError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _load_spec(path: Path | None):
+    from paramfsm.spec import load_spec
+
+    try:
+        return load_spec(path)
+    except SpecError as exc:
+        raise CommandError(f"invalid spec: {exc}") from None
+
+
+# ----------------------------------------------------------------------- trace
+
+
+def register_trace(subparsers) -> None:
+    """Add ``trace check``, ``trace summary``, ``trace export`` and ``trace diff``."""
+    group = subparsers.add_parser("trace", help="check, summarize, export or compare JSONL traces")
+    commands = group.add_subparsers(dest="trace_command", required=True, metavar="COMMAND")
+
+    check = commands.add_parser("check", help="replay a trace through the spec; name the first illegal record")
+    check.add_argument("file", type=_input_file, help="trace written by rt.trace.dump (JSON Lines)")
+    check.add_argument("--spec", type=_input_file, help="spec TOML to replay against (default: the shipped spec)")
+    check.set_defaults(func=_trace_check)
+
+    summary = commands.add_parser("summary", help="time per state, gathers, deferred windows and leaks")
+    summary.add_argument("file", type=_input_file, help="trace (JSON Lines)")
+    summary.set_defaults(func=_trace_summary)
+
+    export = commands.add_parser("export", help="convert a trace for ui.perfetto.dev")
+    export.add_argument("file", type=_input_file, help="trace (JSON Lines)")
+    export.add_argument("--perfetto", required=True, type=Path, metavar="OUT",
+                        help="write Chrome trace-event JSON here")
+    export.set_defaults(func=_trace_export)
+
+    compare = commands.add_parser("diff", help="name the first divergence between two ranks' traces")
+    compare.add_argument("a", type=_input_file, help="first trace (JSON Lines)")
+    compare.add_argument("b", type=_input_file, help="second trace (JSON Lines)")
+    compare.set_defaults(func=_trace_diff)
+
+
+def _trace_check(args) -> int:
+    from paramfsm.fsm import compile_table
+    from paramfsm.trace import replay
+
+    records = _load_trace(args.file)
+    table = compile_table(_load_spec(args.spec))
+    error = replay(records, table)
+    if error is not None:
+        raise CommandError(f"{args.file}: illegal {error}")
+    print(f"{len(records)} records replay cleanly through {table.spec.file}")
+    return 0
+
+
+def _trace_summary(args) -> int:
+    from paramfsm.trace_report import summarize
+
+    print(summarize(_load_trace(args.file)).format())
+    return 0
+
+
+def _trace_export(args) -> int:
+    from paramfsm.trace import write_perfetto
+
+    records = _load_trace(args.file)
+    try:
+        write_perfetto(records, args.perfetto)
+    except OSError as exc:
+        raise CommandError(f"cannot write {args.perfetto}: {exc.strerror or exc}") from None
+    print(f"wrote {args.perfetto} ({len(records)} records); open it in ui.perfetto.dev")
+    return 0
+
+
+def _trace_diff(args) -> int:
+    from paramfsm.trace_report import diff
+
+    a, b = _load_trace(args.a), _load_trace(args.b)
+    divergence = diff(a, b)
+    if divergence is None:
+        print(f"the traces agree ({len(a)} records)")
+        return 0
+    raise CommandError(f"{args.a} and {args.b} diverge: {divergence}")
+
+
+def _load_trace(path: Path):
+    from paramfsm.trace import Trace
+
+    try:
+        return Trace.load(path).records
+    except ValueError as exc:  # malformed JSON, a record lacking fields, not UTF-8
+        raise CommandError(f"malformed trace: {exc}") from None
+    except OSError as exc:
+        raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+# ------------------------------------------------------------------ the parser
+
+
+def _input_file(text: str) -> Path:
+    """argparse type for an input file: a missing file is a usage error (exit 2)."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}" if not path.exists() else f"not a file: {text}")
+    return path
+
+
+BUILTIN_COMMANDS: dict[str, Callable] = {"spec": register_spec, "trace": register_trace}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser. ``command`` is the first word of the command line, if known.
+
+    Optional command groups are imported unless ``command`` names a built-in
+    group, so ``paramfsm --help`` and ``paramfsm verify`` see them and
+    ``paramfsm trace ...`` does not import them.
+    """
+    parser = argparse.ArgumentParser(
+        prog=PROG, parents=[_common_parser()],
+        description="Check and draw lifetime specs; check, summarize, export and compare traces.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for register in BUILTIN_COMMANDS.values():
+        register(subparsers)
+    if command not in BUILTIN_COMMANDS:
+        for module_name in OPTIONAL_COMMANDS.values():
+            _add_optional(subparsers, module_name)
+    return parser
+
+
+def _add_optional(subparsers, module_name: str) -> None:
+    if importlib.util.find_spec(module_name) is None:
+        return
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        log.warning("%s is not available: %s", module_name, exc)
+        return
+    module.add_parser(subparsers)
+
+
+def _common_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log more (-v: info, -vv: debug); quiet by default")
+    return common
+
+
+def _configure_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (argparse usage errors return 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    known, rest = _common_parser().parse_known_args(argv)
+    _configure_logging(known.verbose)
+    command = next((word for word in rest if not word.startswith("-")), None)
+    parser = build_parser(command)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse already reported
+        return exc.code if isinstance(exc.code, int) else 2
+    log.debug("running %s with %s", command, vars(args))
+    try:
+        return args.func(args)
+    except CommandError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.status
