@@ -111,9 +111,7 @@ class Executor:
             return
         gather.work = None
         work.wait()
-        recv = gather.recv
-        outs = [torch.empty(r.shape, dtype=recv.dtype, device=recv.device) for r in gather.records]
-        kernels.unpack_gathered(recv, outs, gather.layout.shard_numels, self.world)
+        outs = kernels.unpack_to_views(gather.recv, gather.layout, [r.shape for r in gather.records])
         gather.recv = None
         for rec, out in zip(gather.records, outs):
             rec.staged = out
@@ -183,8 +181,10 @@ class Executor:
         reduces, self._reduces = self._reduces, []
         for work, out, records, layout in reduces:
             work.wait()
+            # ``out`` is fresh for every reduce and referenced nowhere else, so its
+            # pieces can become shard gradients without a copy.
             for rec, piece in zip(records, out.split(layout.shard_numels)):
-                self._accumulate(rec, piece, owned=False)
+                self._accumulate(rec, piece, owned=True)
 
     @property
     def reduces_pending(self) -> bool:

@@ -37,6 +37,7 @@ __all__ = [
     "shard_layout",
     "torch_impl",
     "unpack_gathered",
+    "unpack_to_views",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,22 @@ def unpack_gathered(
         torch_impl.unpack_gathered(gathered, outs, shard_numels, world)
 
 
+def unpack_to_views(gathered: Tensor, layout: ShardLayout, shapes: Sequence[torch.Size], dtype=None) -> list[Tensor]:
+    """Unpack a gathered bucket into ONE new buffer and return each parameter's full tensor as a view.
+
+    One allocation per bucket instead of one per parameter. On the CPU, a
+    bucket of many parameters is unpacked by a single ``index_select``.
+    """
+    dtype = dtype or gathered.dtype
+    flat = torch.empty(sum(layout.numels), dtype=dtype, device=gathered.device)
+    views = [piece.view(shape) for piece, shape in zip(torch.split_with_sizes(flat, layout.numels), shapes)]
+    if not gathered.is_cuda and len(shapes) >= torch_impl.MANY_PARAMS:
+        torch_impl.unpack_gathered_flat(gathered, layout, flat)
+    else:
+        unpack_gathered(gathered, views, layout.shard_numels, layout.world)
+    return views
+
+
 def pack_grads(
     grads: Sequence[Optional[Tensor]], shard_numels: Sequence[int], world: int, out: Tensor
 ) -> Tensor:
@@ -94,4 +111,8 @@ def pack_grads(
     """
     if out.is_cuda and kernels_available():
         return cupy_impl.pack_grads(grads, shard_numels, world, out)
+    if not out.is_cuda and len(grads) >= torch_impl.MANY_PARAMS and all(g is not None for g in grads):
+        layout = shard_layout(tuple(g.numel() for g in grads), world)
+        if layout.shard_numels == tuple(shard_numels) and out.numel() == layout.gathered_numel:
+            return torch_impl.pack_grads_flat(grads, layout, out)
     return torch_impl.pack_grads(grads, shard_numels, world, out)

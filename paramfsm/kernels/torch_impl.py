@@ -13,6 +13,7 @@ All functions run under ``torch.no_grad()``: packing is never part of autograd.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -20,7 +21,12 @@ from torch import Tensor
 
 from .layout import check_buffer, shard_layout
 
-__all__ = ["pack_shards", "unpack_gathered", "pack_grads"]
+__all__ = ["pack_shards", "unpack_gathered", "pack_grads", "unpack_gathered_flat", "pack_grads_flat",
+           "element_index"]
+
+#: From this many parameters on, one index_select / index_copy_ over the whole bucket beats
+#: one copy per parameter (per-op dispatch dominates for small parameters).
+MANY_PARAMS = 16
 
 
 def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
@@ -124,3 +130,35 @@ def pack_grads(
     _copy_all(dsts, srcs)
     _zero_all(zeros)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def element_index(layout) -> Tensor:
+    """For each element of the parameters' unpadded values, concatenated in order, its position
+    in the ``[rank][param-shard]`` collective buffer (cached per layout)."""
+    pieces = []
+    for n, s, offset in zip(layout.numels, layout.shard_numels, layout.offsets):
+        if n:
+            e = torch.arange(n, dtype=torch.int64)
+            pieces.append(torch.div(e, s, rounding_mode="floor") * layout.total + offset + e % s)
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
+
+
+@torch.no_grad()
+def unpack_gathered_flat(gathered: Tensor, layout, out: Tensor) -> Tensor:
+    """All parameters' unpadded values, concatenated, from a ``[rank][param-shard]`` buffer: one op."""
+    index = element_index(layout)
+    if out.dtype == gathered.dtype:
+        return torch.index_select(gathered, 0, index, out=out)
+    return out.copy_(gathered.index_select(0, index))
+
+
+@torch.no_grad()
+def pack_grads_flat(grads: Sequence[Tensor], layout, out: Tensor) -> Tensor:
+    """Inverse of :func:`unpack_gathered_flat` for gradients: one cat, one index_copy_."""
+    src = torch.cat([g.reshape(-1) for g in grads])
+    if src.dtype != out.dtype:
+        src = src.to(out.dtype)
+    if sum(layout.numels) != out.numel():
+        out.zero_()
+    return out.index_copy_(0, element_index(layout), src)
