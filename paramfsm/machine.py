@@ -100,3 +100,43 @@ def draw_mermaid(spec: Spec, path: str | Path | None = None) -> str:
     if path is not None:
         Path(path).write_text(text, encoding="utf-8")
     return text
+
+
+class CrossCheckedStep:
+    """A drop-in for :func:`paramfsm.fsm.step` that replays every live step on the Machine.
+
+    Used by ``paramfsm.shard(..., strict=True)``: before the compiled table
+    moves a record, the same (state, event, extended state) is triggered on
+    one shared transitions Machine, and the two must agree on the outcome,
+    the destination, the effects and the hold count. A disagreement means
+    the compiled table and the spec diverged; it raises ``AssertionError``
+    naming both answers. This costs microseconds per step and is opt-in.
+    """
+
+    def __init__(self, spec: Spec, step_fn):
+        self._machine, self._model = build_machine(spec)
+        self._step = step_fn
+
+    def __call__(self, table, rec, event, ctx, keep_graph=False, retained=False):
+        model, machine = self._model, self._machine
+        src, holds = rec.state, rec.holds
+        machine.set_state(src.name, model)
+        model.holds, model.keep_graph, model.retained = holds, bool(keep_graph), bool(retained)
+        model.effects = ()
+        try:
+            model.trigger(event)
+            expected = (model.state, tuple(model.effects), model.holds)
+        except MachineError:
+            expected = "error"
+        try:
+            effects = self._step(table, rec, event, ctx, keep_graph, retained)
+        except Exception:
+            if expected != "error":
+                raise AssertionError(f"strict: the compiled table raised for '{event}' in {src.name} on "
+                                     f"'{rec.name}', the spec's Machine says {expected}") from None
+            raise
+        got = (rec.state.name, tuple(effects), rec.holds)
+        if got != expected:
+            raise AssertionError(f"strict: '{event}' in {src.name} (holds={holds}, keep_graph={keep_graph}, "
+                                 f"retained={retained}) on '{rec.name}': compiled {got}, Machine {expected}")
+        return effects

@@ -45,6 +45,7 @@ from collections import deque
 from paramfsm import graph_task as gt
 from paramfsm.audit import audit_leaks
 from paramfsm.fsm import StepContext, step
+from paramfsm.machine import CrossCheckedStep
 from paramfsm.plan import PassState, Plan
 from paramfsm.spec import State
 
@@ -96,6 +97,7 @@ class Scheduler:
         self.prefetch = prefetch
         self.max_deferred_bytes = max_deferred_bytes
         self.strict = strict
+        self._stepper = CrossCheckedStep(table.spec, step) if strict else step
         self.deferred: dict = {}  # record -> None, oldest first
         self.deferred_bytes = 0
         self.peak_deferred_bytes = 0
@@ -156,7 +158,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ steps
     def _step(self, rec, event: str, keep_graph: bool = False, retained: bool = False) -> None:
-        effects = step(self.table, rec, event, self.ctx, keep_graph, retained)
+        effects = self._stepper(self.table, rec, event, self.ctx, keep_graph, retained)
         if effects:
             run = self._effects
             for effect in effects:
@@ -164,9 +166,9 @@ class Scheduler:
 
     def _step_all(self, records, event: str, keep_graph: bool = False) -> None:
         """``_step`` for every record of a unit, with the lookups hoisted out of the loop."""
-        table, ctx, run = self.table, self.ctx, self._effects
+        table, ctx, run, stepper = self.table, self.ctx, self._effects, self._stepper
         for rec in records:
-            effects = step(table, rec, event, ctx, keep_graph)
+            effects = stepper(table, rec, event, ctx, keep_graph)
             if effects:
                 for effect in effects:
                     run[effect](rec)
