@@ -47,7 +47,8 @@ def time_steps(model, params, steps: int, warmup: int, width: int) -> float:
     return statistics.median(times)
 
 
-def plain(name: str, steps: int, warmup: int) -> float:
+def plain_job(rank, world, name: str, steps: int, warmup: int) -> float:
+    """Plain torch, no process group use: the baseline (run in a worker so threads match)."""
     model = build(name)
     return time_steps(model, model.parameters(), steps, warmup, MODELS[name][1])
 
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     with RankPool(1) as one, RankPool(2) as two:
         for name in names:
             print(f"model ({name}): measuring ...", file=sys.stderr, flush=True)
-            base = plain(name, args.steps, args.warmup)
+            base = one.run(plain_job, name, args.steps, args.warmup)[0]
             w1, c1 = one.run(paramfsm_job, name, args.steps, args.warmup)[0]
             w2, c2 = two.run(paramfsm_job, name, args.steps, args.warmup)[0]
             f2 = two.run(fsdp2_job, name, args.steps, args.warmup)[0][0]

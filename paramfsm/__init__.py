@@ -7,10 +7,11 @@ Module and autograd hooks emit events, one scheduler applies them through
 reduce-scatter). See the README for the public contract.
 """
 
-from paramfsm.errors import IllegalTransition, ParamFSMError, RankDesync, SpecError
+from paramfsm.errors import IllegalTransition, NotGathered, ParamFSMError, RankDesync, SpecError
 from paramfsm.spec import State
 
-__all__ = ["shard", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync"]
+__all__ = ["shard", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync",
+           "NotGathered"]
 __version__ = "0.1.0"
 
 

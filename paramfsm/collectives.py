@@ -67,3 +67,13 @@ def all_gather_object_tags(tag: torch.Tensor, world: int, group) -> torch.Tensor
     out = torch.empty(world * tag.numel(), dtype=tag.dtype, device=tag.device)
     _ALL_GATHER(out, tag, group=group, async_op=False)
     return out.view(world, -1)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group) -> None:
+    """Sum ``tensor`` over ranks, in place (blocking)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_reduce_max(tensor: torch.Tensor, group) -> None:
+    """Element-wise maximum of ``tensor`` over ranks, in place (blocking)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

@@ -75,3 +75,23 @@ class RankDesync(ParamFSMError):
 
 class NotInitialized(ParamFSMError):
     """torch.distributed is not initialised and no process group was given."""
+
+
+class NotGathered(ParamFSMError):
+    """A partitioned parameter was used while only this rank's shard is present.
+
+    Raised by the placeholder of a parameter that is NOT_AVAILABLE (see
+    :mod:`paramfsm.placeholder`) when an operation reads it outside its unit's
+    forward or backward.
+    """
+
+    def __init__(self, *, param: str, unit: str, rank: int, op: str):
+        self.param, self.unit, self.rank, self.op = param, unit, rank, op
+        super().__init__(
+            f"parameter '{param}' (unit '{unit}') is not gathered on rank {rank}: {op} was used on it "
+            "outside its unit's forward/backward, where paramfsm keeps only this rank's shard. "
+            f"What to do: read a full copy with rt.full_param('{param}') (collective: every rank calls it), "
+            "or use it in place inside `with rt.gathered(module):` (collective). If another unit's forward "
+            "uses it, make both modules one unit (paramfsm.shard(..., units=...)). Optimizers take "
+            "rt.shard_parameters(); state dicts come from rt.full_state_dict() or rt.sharded_state_dict()."
+        )

@@ -29,7 +29,7 @@ import logging
 
 import torch
 
-from paramfsm import kernels
+from paramfsm import kernels, placeholder, rankcheck
 from paramfsm.collectives import all_gather_flat, reduce_scatter_flat
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,11 @@ log = logging.getLogger(__name__)
 class Gather:
     """One coalesced all-gather in flight: the work handle, the receive buffer, its records."""
 
-    __slots__ = ("work", "recv", "records", "layout")
+    __slots__ = ("work", "recv", "records", "layout", "tagged")
 
-    def __init__(self, work, recv, records, layout):
+    def __init__(self, work, recv, records, layout, tagged: bool = False):
         self.work, self.recv, self.records, self.layout = work, recv, records, layout
+        self.tagged = tagged  # the bucket ends with the rank-order tag (see paramfsm.rankcheck)
 
 
 class Counters:
@@ -70,6 +71,12 @@ class Executor:
         self._grads: list = []  # (record, grad) waiting for the next reduce bucket
         self._grad_bytes = 0
         self._reduces: list = []  # (work, out, records, layout) in flight
+        # The rank-order check (paramfsm.rankcheck): "tag" rides in the bucket, "header" is a
+        # separate fixed-size all-gather first (debug=True), None is off. The runtime sets
+        # ``ctx`` (for the step) and ``unit_names`` (for messages).
+        self.rank_check: str | None = "tag"
+        self.ctx = None
+        self.unit_names: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ gather
     def start_gather(self, records) -> Gather:
@@ -82,17 +89,35 @@ class Executor:
         else:
             first = records[0].shard
             dtype = dtype or first.dtype
-            layout = kernels.shard_layout(tuple(r.numel for r in records), self.world)
+            numels = tuple(r.numel for r in records)
+            shards = [r.shard.detach() for r in records]
+            check = self.rank_check
+            tagged = check == "tag" and first.device.type == "cpu"
+            if check == "header" or tagged:
+                fields = self._tag_fields(records)
+                if tagged:
+                    numels += (rankcheck.TAG_NUMEL * self.world,)
+                    shards.append(rankcheck.encode(fields, dtype, first.device))
+                else:
+                    rankcheck.check_header(fields, self.rank, self.world, self.group, self.unit_names,
+                                           "all-gather")
+            layout = kernels.shard_layout(numels, self.world)
             send = torch.empty(layout.total, dtype=dtype, device=first.device)
-            kernels.pack_shards([r.shard.detach() for r in records], send)
+            kernels.pack_shards(shards, send)
             recv = torch.empty(layout.total * self.world, dtype=dtype, device=first.device)
             work = all_gather_flat(recv, send, self.group, async_op=True)
-            gather = Gather(work, recv, records, layout)
+            gather = Gather(work, recv, records, layout, tagged)
             self.counters.all_gathers += 1
             self.counters.gathered_bytes += recv.numel() * recv.element_size()
         for rec in records:
             rec.pending = gather
         return gather
+
+    def _tag_fields(self, records) -> tuple[int, ...]:
+        """(gather number, step, unit index, elements): the same on every rank running the same program."""
+        units = records[0].units
+        return (self.counters.all_gathers, self.ctx.step if self.ctx is not None else 0,
+                units[0].index if units else -1, sum(r.shard_numel for r in records))
 
     @staticmethod
     def _local_full(rec, dtype):
@@ -111,8 +136,13 @@ class Executor:
             return
         gather.work = None
         work.wait()
-        outs = kernels.unpack_to_views(gather.recv, gather.layout, [r.shape for r in gather.records])
+        shapes = [r.shape for r in gather.records]
+        if gather.tagged:
+            shapes.append(torch.Size((rankcheck.TAG_NUMEL * self.world,)))
+        outs = kernels.unpack_to_views(gather.recv, gather.layout, shapes)
         gather.recv = None
+        if gather.tagged:
+            rankcheck.check_encoded(outs.pop().view(self.world, -1), self.rank, self.unit_names)
         for rec, out in zip(gather.records, outs):
             rec.staged = out
 
@@ -120,6 +150,7 @@ class Executor:
         """The unpack effect: the staged full tensor becomes ``param.data``."""
         if rec.staged is None:
             self.wait_gather(rec.pending)
+        placeholder.reveal(rec.param)
         rec.param.data = rec.staged
         rec.staged = None
         rec.pending = None
@@ -132,13 +163,20 @@ class Executor:
         rec.pending = None
 
     def free(self, rec) -> None:
-        """The free effect: ``param.data`` becomes an empty tensor; only the shard stays live."""
-        data = rec.param.data
-        key = (data.dtype, data.device)
+        """The free effect: ``param.data`` becomes an empty placeholder; only the shard stays live.
+
+        The placeholder has the compute dtype (``param_dtype``, else the shard's), so a
+        parameter's dtype is the same gathered or not and autograd's ``AccumulateGrad``
+        always sees gradients of the dtype it recorded. It raises
+        :class:`~paramfsm.errors.NotGathered` when used (see :mod:`paramfsm.placeholder`).
+        """
+        shard = rec.shard
+        key = (self.param_dtype or shard.dtype, shard.device)
         empty = self._empty.get(key)
         if empty is None:
-            empty = self._empty[key] = torch.empty(0, dtype=data.dtype, device=data.device)
+            empty = self._empty[key] = torch.empty(0, dtype=key[0], device=key[1])
         rec.param.data = empty
+        placeholder.conceal(rec.param)
 
     # ------------------------------------------------------------------ reduce
     def take_grad(self, rec) -> None:
@@ -166,6 +204,11 @@ class Executor:
         grads = [g for _, g in pending]
         dtype = self.reduce_dtype or grads[0].dtype
         layout = kernels.shard_layout(tuple(r.numel for r in records), self.world)
+        if self.rank_check == "header":
+            step = self.ctx.step if self.ctx is not None else 0
+            unit = records[0].units[0].index if records[0].units else -1
+            rankcheck.check_header((self.counters.reduce_scatters, step, unit, layout.total),
+                                   self.rank, self.world, self.group, self.unit_names, "reduce-scatter")
         inp = torch.empty(layout.total * self.world, dtype=dtype, device=grads[0].device)
         kernels.pack_grads(grads, layout.shard_numels, self.world, inp)
         inp.div_(self.world)
@@ -185,6 +228,19 @@ class Executor:
             # pieces can become shard gradients without a copy.
             for rec, piece in zip(records, out.split(layout.shard_numels)):
                 self._accumulate(rec, piece, owned=True)
+
+    def abort_reduces(self) -> None:
+        """Drop the gradients of an interrupted backward: nothing of it reaches the shard gradients.
+
+        Reduce-scatters already issued are waited for (every rank joined them,
+        so they must complete) and their results dropped; gradients not yet
+        issued are dropped. Accumulating them instead would add a partial
+        backward to whatever the user does next, even after ``zero_grad``.
+        """
+        self._grads, self._grad_bytes = [], 0
+        reduces, self._reduces = self._reduces, []
+        for work, *_ in reduces:
+            work.wait()
 
     @property
     def reduces_pending(self) -> bool:

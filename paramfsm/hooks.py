@@ -12,7 +12,11 @@ Per unit module:
 
 Per parameter that requires grad: a post-accumulate-grad hook emits
 ``GRAD_READY`` once autograd has accumulated the parameter's gradient for the
-graph task (after all of its uses, tied weights included).
+graph task (after all of its uses, tied weights included). A tensor hook
+routes the gradient when it is recorded (``create_graph=True``) so that a
+later backward through it fetches the unit first (see
+:mod:`paramfsm.higher_order`); the post-backward hooks do the same for the
+gradients of the unit's inputs.
 
 On the root module: ``FORWARD_BEGIN`` / ``FORWARD_END`` around the forward.
 
@@ -33,6 +37,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from paramfsm import graph_task as gt
+from paramfsm import higher_order
 from paramfsm.scheduler import (
     FORWARD_BEGIN, FORWARD_END, GRAD_READY, GRAPH_FREED, POST_BACKWARD, POST_FORWARD,
     PRE_BACKWARD, PRE_FORWARD, Event,
@@ -69,6 +74,8 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ctx.emit(Event(POST_BACKWARD, ctx.unit, gt.backward_task(), gt.keeps_graph()))
+        if torch.is_grad_enabled():
+            grads = higher_order.enter(ctx.emit, (ctx.unit,), grads) or grads
         return (None, None, *grads)
 
 
@@ -79,6 +86,8 @@ def _on_output_grad(call: ForwardCall, grad_outputs):
 
 def _on_input_grad(emit, unit, grad_outputs):
     emit(Event(POST_BACKWARD, unit, gt.backward_task(), gt.keeps_graph()))
+    if torch.is_grad_enabled():
+        return higher_order.enter(emit, (unit,), grad_outputs)
     return None
 
 
@@ -160,4 +169,5 @@ def install(root: torch.nn.Module, units, records, emit) -> list:
         if rec.requires_grad:
             handles.append(rec.param.register_post_accumulate_grad_hook(
                 partial(_on_grad_accumulated, emit, rec)))
+            handles.append(rec.param.register_hook(partial(higher_order.on_param_grad, emit, rec.units)))
     return handles

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from functools import partial
 from typing import Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
+from paramfsm import checkpoint, grad_norm, hooks, placeholder
 from paramfsm import graph_task as gt
-from paramfsm import hooks
 from paramfsm.collectives import all_gather_flat, resolve_group
 from paramfsm.errors import ParamFSMError
 from paramfsm.executor import Executor
@@ -34,7 +36,7 @@ _SHARDED: "dict[int, Runtime]" = {}
 
 def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
           prefetch: int = 1, trace: bool = False, spec=None, *, strict: bool = False,
-          bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None) -> "Runtime":
+          bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
     ``units``: None (every module owning parameters directly), module classes,
@@ -45,22 +47,36 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     ``bucket_bytes``: consecutive units are gathered (and gradients
     reduce-scattered) together up to this many bytes. ``spec``: a path to an
     alternative lifetime spec. ``strict``: leaks raise instead of logging.
+    ``param_dtype``: gather and compute in this dtype (e.g. ``torch.bfloat16``)
+    while shards, gradients and the optimizer stay in the parameters' dtype;
+    floating-point inputs of the root forward are cast to it. ``reduce_dtype``:
+    reduce-scatter gradients in this dtype. ``debug``: check that all ranks
+    issue the same collectives with a small header all-gather before every
+    all-gather and reduce-scatter, so any desync raises RankDesync (see
+    :mod:`paramfsm.rankcheck`; without it, a tag riding in each CPU gather
+    bucket checks all-gathers of equal size at no collective cost).
     """
     if retain not in RETAIN_POLICIES:
         raise ParamFSMError(f"retain={retain!r}: expected one of {RETAIN_POLICIES}")
     if id(model) in _SHARDED:
         raise ParamFSMError("this model is already sharded by paramfsm; call rt.close() before sharding it again")
+    for name, param in model.named_parameters():
+        owner = next((rt for rt in _SHARDED.values() if id(param) in rt._by_id), None)
+        if owner is not None:
+            raise ParamFSMError(f"parameter '{name}' is already partitioned by paramfsm (it belongs to a "
+                                f"sharded {type(owner.model).__name__}); shard the outermost model once, "
+                                "or call rt.close() on the other runtime first")
     if prefetch < 0:
         raise ParamFSMError(f"prefetch={prefetch}: must be >= 0")
     return Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-                   bucket_bytes, param_dtype, reduce_dtype)
+                   bucket_bytes, param_dtype, reduce_dtype, debug)
 
 
 class Runtime:
     """A sharded model's lifetime runtime. Create it with :func:`paramfsm.shard`."""
 
     def __init__(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-                 bucket_bytes, param_dtype, reduce_dtype):
+                 bucket_bytes, param_dtype, reduce_dtype, debug=False):
         self.model = model
         self.group, self.rank, self.world = resolve_group(group)
         self.table = compile_table(load_spec(spec)) if spec is not None else default_table()
@@ -74,9 +90,16 @@ class Runtime:
                                    rank=self.rank, retain=retain, prefetch=prefetch,
                                    max_deferred_bytes=max_deferred_bytes, bucket_bytes=bucket_bytes,
                                    trace=self.trace, strict=strict)
+        self.executor.ctx, self.executor.unit_names = self.scheduler.ctx, tuple(u.name for u in self.units)
+        if debug:
+            self.executor.rank_check = "header"
         for rec in by_id.values():
+            placeholder.register(rec.param, rec.name, rec.unit, self.rank)
             self.executor.free(rec)
         self._handles = hooks.install(model, self.units, list(by_id.values()), self.scheduler.emit)
+        if param_dtype is not None:
+            self._handles.append(model.register_forward_pre_hook(
+                partial(_cast_inputs, param_dtype), with_kwargs=True))
         _SHARDED[id(model)] = self
 
     # ------------------------------------------------------------------ lookup
@@ -174,6 +197,26 @@ class Runtime:
                 lo = self.rank * rec.shard_numel
                 rec.shard.copy_(flat[lo: lo + rec.shard_numel].to(rec.shard.device))
 
+    def sharded_state_dict(self) -> dict:
+        """This rank's shards as flat sharded DTensors (plus buffers), for ``torch.distributed.checkpoint``.
+
+        ``dcp.save(rt.sharded_state_dict(), checkpoint_id=path)`` saves; a checkpoint
+        saved on any number of ranks loads with ``sd = rt.sharded_state_dict();
+        dcp.load(sd, checkpoint_id=path); rt.load_sharded_state_dict(sd)``. See
+        :mod:`paramfsm.checkpoint` (also for optimizer state).
+        """
+        return checkpoint.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict) -> None:
+        """Load a state dict shaped like :meth:`sharded_state_dict` (any saving world size, via DCP)."""
+        checkpoint.load_sharded_state_dict(self, state_dict)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the shard gradients; returns the total norm. Collective."""
+        return grad_norm.clip_grad_norm_(self.shard_parameters(), max_norm, norm_type, group=self.group,
+                                         world=self.world, error_if_nonfinite=error_if_nonfinite)
+
     # ------------------------------------------------------------------ control
     def backward(self, loss, retain_graph=None, create_graph: bool = False, **kwargs) -> None:
         """``loss.backward(...)``; identical to calling it directly (kept for explicitness and fallback)."""
@@ -215,11 +258,19 @@ class Runtime:
             handle.remove()
         self.scheduler.closed = True
         for rec in self._by_id.values():
+            placeholder.reveal(rec.param)
             rec.param.data = fulls[id(rec)]
             if rec.shard.grad is not None:
                 rec.param.grad = self._gather_flat(rec.shard.grad, rec)
         _SHARDED.pop(id(self.model), None)
         return self.model
+
+
+def _cast_inputs(dtype, module, args, kwargs):
+    """Root forward pre-hook under ``param_dtype``: cast floating-point tensor inputs to the compute dtype."""
+    def cast(value):
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+    return tree_map(cast, args), tree_map(cast, kwargs)
 
 
 def _ancestors(model: nn.Module, unit_name: str):

@@ -27,7 +27,11 @@ Activation checkpointing re-runs forwards inside a backward. Non-reentrant
 ``torch.utils.checkpoint`` stops a recomputation early (it raises inside the
 last saved-tensor hook it needs), so a unit's post-forward may never come.
 Those fetches are therefore counted per graph task (``recomputing``) and any
-left when the task ends are released with it, like ``open``.
+left when the task ends are released with it, like ``open``. A recomputation
+that finds a unit deferred is using the copy kept for this very backward, so
+its release returns the unit to DEFERRED_RELEASE (``redefer``) instead of
+freeing it: the unit's own backward then reuses it without an all-gather,
+and the end of a final backward flushes it as usual.
 
 [Note: flushing deferred parameters at a new forward]
 A new root forward (outside backward) flushes every deferred parameter. An
@@ -75,12 +79,14 @@ class Event:
 class TaskState:
     """Bookkeeping of one running backward graph task."""
 
-    __slots__ = ("task", "keep_graph", "depth", "open", "recomputing", "seen", "passes", "grad_holds")
+    __slots__ = ("task", "keep_graph", "depth", "open", "recomputing", "redefer", "seen", "passes",
+                 "grad_holds")
 
     def __init__(self, task: int, keep_graph: bool, depth: int):
         self.task, self.keep_graph, self.depth = task, keep_graph, depth
         self.open: dict = {}  # unit -> pre-backward fetches not yet released
         self.recomputing: dict = {}  # unit -> forwards recomputed in this task, not yet ended
+        self.redefer: set = set()  # units a recomputation found deferred (released back to deferral)
         self.seen: set = set()  # forward calls whose pre-backward already ran in this task
         self.passes = PassState()
         self.grad_holds: dict = {}  # record -> None: parameters whose gradient is still to come
@@ -280,8 +286,11 @@ class Scheduler:
             planned = self.forward_open and self.planning
             self.fetch(ev.unit, self.fwd_plan if planned else None, self.forward if planned else None)
         else:
+            self.ctx.graph_task = task  # traces attribute a recomputation to its backward
             ts = self._begin_task(task, gt.keeps_graph())
             ts.recomputing[ev.unit] = ts.recomputing.get(ev.unit, 0) + 1
+            if self.defer_allowed and all(rec.state is State.DEFERRED_RELEASE for rec in ev.unit.records):
+                ts.redefer.add(ev.unit)
             self.fetch(ev.unit, None, None)
 
     def _on_post_forward(self, ev: Event) -> None:
@@ -291,10 +300,11 @@ class Scheduler:
         if task == gt.NO_TASK:
             self.release(ev.unit, False)
             return
+        self.ctx.graph_task = task
         ts = self.tasks.get(task)
         if ts is not None and ts.recomputing.get(ev.unit, 0) > 0:
             ts.recomputing[ev.unit] -= 1
-            self.release(ev.unit, ts.keep_graph)
+            self.release(ev.unit, ts.keep_graph or ev.unit in ts.redefer)
 
     def _on_pre_backward(self, ev: Event) -> None:
         ts = self._begin_task(ev.graph_task, ev.keep_graph)
@@ -366,8 +376,16 @@ class Scheduler:
 
     # ---------------------------------------------------------------- public helpers
     def hold(self, unit) -> None:
-        """Fetch a unit for use outside forward/backward (rt.gathered)."""
+        """Fetch a unit for use outside forward/backward (rt.gathered).
+
+        Like a new forward, this may follow an optimizer step, so the unit's
+        deferred copies may be stale: they are flushed and gathered afresh
+        (see [Note: flushing deferred parameters at a new forward]).
+        """
         self.held_outside[unit] = self.held_outside.get(unit, 0) + 1
+        for rec in unit.records:
+            if rec.state is State.DEFERRED_RELEASE:
+                self._step(rec, "flush")
         self.fetch(unit, None, None)
 
     def unhold(self, unit) -> None:
@@ -382,7 +400,7 @@ class Scheduler:
         self._queue.clear()
         self.tasks.clear()
         self.forward_open = False
-        self.executor.finish_reduces()
+        self.executor.abort_reduces()
         for rec in self.records:
             self._step(rec, "reset")
         self.held_outside.clear()

@@ -19,3 +19,10 @@ def ranks3():
     """Three gloo ranks on 127.0.0.1."""
     with RankPool(3, timeout=180) as pool:
         yield pool
+
+
+@pytest.fixture(scope="session")
+def ranks1():
+    """One gloo rank (world size 1), e.g. to reload a checkpoint saved on more ranks."""
+    with RankPool(1, timeout=180) as pool:
+        yield pool

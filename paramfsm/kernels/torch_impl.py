@@ -47,7 +47,7 @@ def pack_shards(shards: Sequence[Tensor], out: Tensor) -> Tensor:
         raise ValueError(f"out must be 1-D with {total} elements, got shape {tuple(out.shape)}")
     if not shards:
         return out
-    flat = [s.reshape(-1) for s in shards]
+    flat = [s if s.dim() == 1 else s.reshape(-1) for s in shards]
     if all(s.dtype == out.dtype for s in flat):
         torch.cat(flat, out=out)
     else:
@@ -156,7 +156,7 @@ def unpack_gathered_flat(gathered: Tensor, layout, out: Tensor) -> Tensor:
 @torch.no_grad()
 def pack_grads_flat(grads: Sequence[Tensor], layout, out: Tensor) -> Tensor:
     """Inverse of :func:`unpack_gathered_flat` for gradients: one cat, one index_copy_."""
-    src = torch.cat([g.reshape(-1) for g in grads])
+    src = torch.cat([g.view(-1) if g.is_contiguous() else g.reshape(-1) for g in grads])
     if src.dtype != out.dtype:
         src = src.to(out.dtype)
     if sum(layout.numels) != out.numel():

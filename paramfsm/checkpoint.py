@@ -1,0 +1,195 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), reloadable at any world size.
+
+Each rank saves only its shards, and a checkpoint saved on N ranks loads on M.
+
+[Note: the flat DTensor view of a shard]
+A rank's shard is its 1/world slice of the flattened parameter, zero-padded
+to a multiple of world. Seen as the flattened, *unpadded* parameter of
+``numel`` elements, rank r holds elements ``[r*s, min((r+1)*s, numel))``
+with ``s = ceil(numel / world)``, which is exactly the chunk
+``DTensor``'s ``Shard(0)`` gives rank r on a 1-D mesh. So every parameter is
+exposed as a 1-D ``DTensor`` of global shape ``(numel,)`` whose local tensor
+is a view of the valid part of the shard. DCP records each chunk's offset
+and reshards natively on load; because the local tensors are views, a DCP
+load writes straight into the shards. Buffers are plain (replicated) tensors.
+
+Keys are the model's own ``state_dict`` keys (a tied parameter appears under
+each of its names, like in ``model.state_dict()``). Values are flattened:
+reshape with the model's parameter shapes to use them without paramfsm (or
+load the checkpoint into a sharded model and call ``rt.full_state_dict()``).
+
+Optimizer state (``save``/``load`` with ``optimizer=``) works the same way
+for every state tensor shaped like its shard (Adam's moments, SGD's momentum);
+other entries (``step``) are saved as plain tensors, identical on all ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from paramfsm.errors import ParamFSMError
+from paramfsm.spec import State
+
+OPTIM_PREFIX = "optim."
+
+
+def _mesh(rt) -> DeviceMesh:
+    group = rt.group if rt.group is not None else dist.group.WORLD
+    device = next(iter(rt._by_id.values())).shard.device.type
+    return DeviceMesh.from_group(group, device)
+
+
+def _flat_dtensor(rt, mesh, rec, tensor: torch.Tensor) -> DTensor:
+    """The valid part of a shard-shaped tensor as a chunk of the flat ``(numel,)`` DTensor."""
+    start = min(rt.rank * rec.shard_numel, rec.numel)
+    stop = min(start + rec.shard_numel, rec.numel)
+    local = tensor.detach()[: stop - start]
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size((rec.numel,)), stride=(1,))
+
+
+def _require_idle(rt, what: str) -> None:
+    rt.flush()
+    busy = [rec.name for rec in rt._by_id.values() if rec.state is not State.NOT_AVAILABLE]
+    if busy:
+        raise ParamFSMError(f"cannot {what} while parameters are gathered: {busy[:5]}; "
+                            "call it between iterations (after the final backward and optimizer step)")
+
+
+def sharded_state_dict(rt) -> dict:
+    """The model's state dict with every parameter as a flat sharded DTensor viewing this rank's shard.
+
+    Save it with ``torch.distributed.checkpoint.save``; load a checkpoint of
+    any world size into it with ``torch.distributed.checkpoint.load`` (in
+    place), or pass a loaded dict to :func:`load_sharded_state_dict`.
+    """
+    mesh = _mesh(rt)
+    out = {}
+    for key, value in rt.model.state_dict(keep_vars=True).items():
+        rec = rt._by_id.get(id(value))
+        out[key] = _flat_dtensor(rt, mesh, rec, rec.shard) if rec is not None else value.detach()
+    return out
+
+
+def load_sharded_state_dict(rt, state_dict) -> None:
+    """Copy a state dict shaped like :func:`sharded_state_dict` into the shards and buffers."""
+    _require_idle(rt, "load a sharded state dict")
+    own = sharded_state_dict(rt)
+    missing = [k for k in own if k not in state_dict]
+    if missing:
+        raise ParamFSMError(f"sharded state dict is missing keys {missing[:5]}")
+    with torch.no_grad():
+        for key, target in own.items():
+            src = state_dict[key]
+            if isinstance(target, DTensor):
+                if not isinstance(src, DTensor) or src.shape != target.shape:
+                    raise ParamFSMError(f"'{key}': expected a DTensor of shape {tuple(target.shape)} "
+                                        "(from rt.sharded_state_dict()), got "
+                                        f"{type(src).__name__} {tuple(getattr(src, 'shape', ()))}")
+                if src.placements != target.placements or src.device_mesh != target.device_mesh:
+                    src = src.redistribute(target.device_mesh, target.placements)
+                dst, src = target.to_local(), src.to_local()
+            else:
+                dst = target
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+
+
+def _optim_names(rt, optimizer) -> dict[int, str]:
+    """Optimizer parameter index (as in ``optimizer.state_dict()``) -> qualified parameter name."""
+    by_shard = {id(rec.shard): rec for rec in rt._by_id.values()}
+    names, index = {}, 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            rec = by_shard.get(id(param))
+            if rec is None:
+                raise ParamFSMError("the optimizer holds a tensor that is not a shard of this runtime; "
+                                    "build it on rt.shard_parameters()")
+            names[index] = rec
+            index += 1
+    return names
+
+
+def _init_optim_state(rt, optimizer) -> None:
+    """Create the optimizer's state tensors (one zero-gradient step that leaves shards unchanged)."""
+    shards = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(optimizer.state.get(p) for p in shards):
+        return
+    saved = [(p, p.detach().clone(), p.grad) for p in shards]
+    for p in shards:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        for p, value, grad in saved:
+            p.copy_(value)
+            p.grad = grad
+
+
+def sharded_optim_state_dict(rt, optimizer) -> dict:
+    """The optimizer's state keyed ``optim.<param name>.<state key>``, shard-shaped tensors as DTensors."""
+    mesh = _mesh(rt)
+    recs = _optim_names(rt, optimizer)
+    state = optimizer.state_dict()
+    out = {}
+    for index, entries in state["state"].items():
+        rec = recs[index]
+        for key, value in entries.items():
+            name = f"{OPTIM_PREFIX}{rec.name}.{key}"
+            if isinstance(value, torch.Tensor) and value.shape == rec.shard.shape:
+                out[name] = _flat_dtensor(rt, mesh, rec, value)
+            else:
+                out[name] = value
+    groups = []
+    for group in state["param_groups"]:
+        groups.append({k: (v if k != "params" else [recs[i].name for i in v]) for k, v in group.items()})
+    out[f"{OPTIM_PREFIX}param_groups"] = groups
+    return out
+
+
+def load_sharded_optim_state_dict(rt, optimizer, state_dict) -> None:
+    """Load an optimizer state saved by :func:`sharded_optim_state_dict` (at any world size)."""
+    _init_optim_state(rt, optimizer)
+    own = sharded_optim_state_dict(rt, optimizer)
+    recs = _optim_names(rt, optimizer)
+    with torch.no_grad():
+        for index, rec in recs.items():
+            entries = optimizer.state[rec.shard]
+            for key in list(entries):
+                src = state_dict[f"{OPTIM_PREFIX}{rec.name}.{key}"]
+                dst = own[f"{OPTIM_PREFIX}{rec.name}.{key}"]
+                if isinstance(dst, DTensor):
+                    dst, src = dst.to_local(), src.to_local() if isinstance(src, DTensor) else src
+                    if dst.data_ptr() != src.data_ptr():
+                        dst.copy_(src)
+                elif isinstance(entries[key], torch.Tensor):
+                    entries[key].copy_(src)
+                else:
+                    entries[key] = src
+    for group, saved in zip(optimizer.param_groups, state_dict[f"{OPTIM_PREFIX}param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def save(rt, path, optimizer=None) -> None:
+    """Save the model's shards (and the optimizer's, if given) to the DCP checkpoint ``path``. Collective."""
+    _require_idle(rt, "save a sharded checkpoint")
+    state = sharded_state_dict(rt)
+    if optimizer is not None:
+        state.update(sharded_optim_state_dict(rt, optimizer))
+    dcp.save(state, checkpoint_id=str(path), process_group=rt.group)
+
+
+def load(rt, path, optimizer=None) -> None:
+    """Load a DCP checkpoint saved by :func:`save` on any number of ranks, in place. Collective."""
+    _require_idle(rt, "load a sharded checkpoint")
+    state = sharded_state_dict(rt)
+    if optimizer is not None:
+        _init_optim_state(rt, optimizer)
+        state.update(sharded_optim_state_dict(rt, optimizer))
+    dcp.load(state, checkpoint_id=str(path), process_group=rt.group)
+    load_sharded_state_dict(rt, state)
+    if optimizer is not None:
+        load_sharded_optim_state_dict(rt, optimizer, state)

@@ -1,0 +1,50 @@
+"""Gradient-norm clipping over shards: ``torch.nn.utils.clip_grad_norm_`` for a partitioned model.
+
+Each rank holds 1/world of every gradient (its shard gradient, zero in the
+padding), so the p-norm of the whole model's gradient is
+``(sum over ranks of sum |g|^p) ** (1/p)``: one all-reduce of one scalar
+(a maximum for the infinity norm). Every rank then scales its own shard
+gradients by the same coefficient, exactly as torch scales the full ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from paramfsm.collectives import all_reduce_max, all_reduce_sum
+from paramfsm.errors import ParamFSMError
+
+
+def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, group=None, world: int = 1,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip the shard gradients in place so the global ``norm_type``-norm is at most ``max_norm``.
+
+    Collective: every rank calls it. Returns the total norm (before clipping)
+    as a float32 tensor, identical on every rank.
+    """
+    norm_type = float(norm_type)
+    grads = [s.grad for s in shards if s.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    if norm_type == math.inf:
+        local = torch.stack([g.detach().abs().max().float() for g in grads if g.numel()]).max() \
+            if grads else torch.zeros((), device=device)
+        total = local.clone().reshape(1)
+        if world > 1:
+            all_reduce_max(total, group)
+        total = total[0]
+    else:
+        local = torch.zeros(1, dtype=torch.float64, device=device)
+        for g in grads:
+            local += g.detach().double().abs().pow(norm_type).sum()
+        if world > 1:
+            all_reduce_sum(local, group)
+        total = local[0].pow(1.0 / norm_type).float()
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise ParamFSMError(f"the total norm of order {norm_type} of the gradients is not finite "
+                            "(clip_grad_norm_ was called with error_if_nonfinite=True)")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.dtype))
+    return total
