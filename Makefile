@@ -27,6 +27,7 @@ demo: install
 bench: install
 	$(PY) benchmarks/fsm_dispatch.py
 	$(PY) benchmarks/step_overhead.py
+	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/gather_scatter.py --device cpu
 
 lint: install
@@ -37,6 +38,12 @@ lint: install
 	  echo "a parameter state is assigned outside paramfsm/fsm.py"; exit 1; fi
 	@if grep -lE '^\s*(import|from)\s+(torch|cupy)' paramfsm/fsm.py paramfsm/spec.py paramfsm/trace.py; then \
 	  echo "the FSM core must not import torch or cupy"; exit 1; fi
+
+mutants: install
+	$(PY) -m paramfsm.testing.mutants
+
+verify: install
+	$(PY) -m paramfsm verify paramfsm.testing.subjects:tiny_transformer --examples 50
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .hypothesis

@@ -35,6 +35,28 @@ from paramfsm.collectives import all_gather_flat, reduce_scatter_flat
 log = logging.getLogger(__name__)
 
 
+#: Reduce-scatters issued and not yet waited on, at most (each holds a full-size gradient bucket).
+MAX_REDUCES_IN_FLIGHT = 2
+
+#: Parameters from this size on keep one full tensor for life whose storage is freed and regrown.
+PERSISTENT_BYTES = 64 * 1024
+
+# [Note: persistent full storage]
+# Autograd saves views of parameters (``F.linear`` saves ``weight.t()``), and a
+# view keeps its storage alive: if every gather made a fresh full tensor and
+# ``free`` only swapped ``param.data``, the full weights of every layer would
+# stay alive from forward to backward through those views, and sharding would
+# save no memory in between. So a parameter of at least PERSISTENT_BYTES owns
+# one full tensor for life: ``free`` resizes its storage to zero bytes (the
+# memory is returned at once; saved views now point at nothing), and the next
+# gather regrows the same storage and unpacks into it, before any backward
+# node that saved such a view runs (pre-backward fetches first). The copy
+# bumps the full tensor's version counter, not the parameter's (``param.data =``
+# keeps the parameter's own counter), so saved views stay valid. Small
+# parameters are unpacked as views of one buffer per bucket instead: one
+# allocation per bucket, and what saved views retain is bounded by the bucket.
+
+
 class Gather:
     """One coalesced all-gather in flight: the work handle, the receive buffer, its records."""
 
@@ -130,21 +152,45 @@ class Executor:
         return view
 
     def wait_gather(self, gather: Gather) -> None:
-        """Wait for a gather and stage every parameter's full tensor (idempotent)."""
+        """Wait for a gather and stage every parameter's full tensor (idempotent).
+
+        See [Note: persistent full storage] for where the full tensors live.
+        """
         work = gather.work
         if work is None:
             return
         gather.work = None
         work.wait()
-        shapes = [r.shape for r in gather.records]
-        if gather.tagged:
-            shapes.append(torch.Size((rankcheck.TAG_NUMEL * self.world,)))
-        outs = kernels.unpack_to_views(gather.recv, gather.layout, shapes)
+        recv, records = gather.recv, gather.records
         gather.recv = None
-        if gather.tagged:
-            rankcheck.check_encoded(outs.pop().view(self.world, -1), self.rank, self.unit_names)
-        for rec, out in zip(gather.records, outs):
+        tag = torch.empty(rankcheck.TAG_NUMEL * self.world, dtype=recv.dtype, device=recv.device) \
+            if gather.tagged else None
+        if any(rec.nbytes >= PERSISTENT_BYTES for rec in records):
+            outs = [self._persistent(rec, recv) if rec.nbytes >= PERSISTENT_BYTES
+                    else torch.empty(rec.shape, dtype=recv.dtype, device=recv.device) for rec in records]
+            kernels.unpack_gathered(recv, outs + ([tag] if tag is not None else []),
+                                    gather.layout.shard_numels, self.world)
+        else:
+            shapes = [r.shape for r in records] + ([tag.shape] if tag is not None else [])
+            outs = kernels.unpack_to_views(recv, gather.layout, shapes)
+            if tag is not None:
+                tag = outs.pop()
+        if tag is not None:
+            rankcheck.check_encoded(tag.view(self.world, -1), self.rank, self.unit_names)
+        for rec, out in zip(records, outs):
             rec.staged = out
+
+    @staticmethod
+    def _persistent(rec, like: torch.Tensor) -> torch.Tensor:
+        """The parameter's own full tensor, its storage grown back to full size."""
+        full = rec.full
+        if full is None or full.dtype != like.dtype:
+            full = rec.full = torch.empty(rec.shape, dtype=like.dtype, device=like.device)
+        else:
+            storage = full.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(full.numel() * full.element_size())
+        return full
 
     def install(self, rec) -> None:
         """The unpack effect: the staged full tensor becomes ``param.data``."""
@@ -177,6 +223,11 @@ class Executor:
             empty = self._empty[key] = torch.empty(0, dtype=key[0], device=key[1])
         rec.param.data = empty
         placeholder.conceal(rec.param)
+        full = rec.full
+        if full is not None:
+            storage = full.untyped_storage()
+            if storage.nbytes():
+                storage.resize_(0)
 
     # ------------------------------------------------------------------ reduce
     def take_grad(self, rec) -> None:
@@ -217,17 +268,25 @@ class Executor:
         self._reduces.append((work, out, records, layout))
         self.counters.reduce_scatters += 1
         self.counters.reduced_bytes += inp.numel() * inp.element_size()
+        # An issued reduce-scatter holds its full-size input until it is waited on:
+        # bound how many are in flight so gradient memory stays bounded too.
+        while len(self._reduces) > MAX_REDUCES_IN_FLIGHT:
+            self._complete(self._reduces.pop(0))
 
     def finish_reduces(self) -> None:
         """Flush the last bucket, wait for every reduce-scatter, accumulate into shard grads."""
         self.flush_grads()
         reduces, self._reduces = self._reduces, []
-        for work, out, records, layout in reduces:
-            work.wait()
-            # ``out`` is fresh for every reduce and referenced nowhere else, so its
-            # pieces can become shard gradients without a copy.
-            for rec, piece in zip(records, out.split(layout.shard_numels)):
-                self._accumulate(rec, piece, owned=True)
+        for reduce in reduces:
+            self._complete(reduce)
+
+    def _complete(self, reduce) -> None:
+        work, out, records, layout = reduce
+        work.wait()
+        # ``out`` is fresh for every reduce and referenced nowhere else, so its
+        # pieces can become shard gradients without a copy.
+        for rec, piece in zip(records, out.split(layout.shard_numels)):
+            self._accumulate(rec, piece, owned=True)
 
     def abort_reduces(self) -> None:
         """Drop the gradients of an interrupted backward: nothing of it reaches the shard gradients.

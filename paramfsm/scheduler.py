@@ -28,10 +28,8 @@ Activation checkpointing re-runs forwards inside a backward. Non-reentrant
 last saved-tensor hook it needs), so a unit's post-forward may never come.
 Those fetches are therefore counted per graph task (``recomputing``) and any
 left when the task ends are released with it, like ``open``. A recomputation
-that finds a unit deferred is using the copy kept for this very backward, so
-its release returns the unit to DEFERRED_RELEASE (``redefer``) instead of
-freeing it: the unit's own backward then reuses it without an all-gather,
-and the end of a final backward flushes it as usual.
+that finds a unit deferred uses the copy kept for this backward, so its release
+defers the unit again (``redefer``): the unit's backward reuses it, no all-gather.
 
 [Note: flushing deferred parameters at a new forward]
 A new root forward (outside backward) flushes every deferred parameter. An
@@ -79,8 +77,7 @@ class Event:
 class TaskState:
     """Bookkeeping of one running backward graph task."""
 
-    __slots__ = ("task", "keep_graph", "depth", "open", "recomputing", "redefer", "seen", "passes",
-                 "grad_holds")
+    __slots__ = ("task", "keep_graph", "depth", "open", "recomputing", "redefer", "seen", "passes", "grad_holds")
 
     def __init__(self, task: int, keep_graph: bool, depth: int):
         self.task, self.keep_graph, self.depth = task, keep_graph, depth
@@ -376,12 +373,8 @@ class Scheduler:
 
     # ---------------------------------------------------------------- public helpers
     def hold(self, unit) -> None:
-        """Fetch a unit for use outside forward/backward (rt.gathered).
-
-        Like a new forward, this may follow an optimizer step, so the unit's
-        deferred copies may be stale: they are flushed and gathered afresh
-        (see [Note: flushing deferred parameters at a new forward]).
-        """
+        """Fetch a unit for use outside forward/backward (rt.gathered); deferred copies may be stale
+        after an optimizer step, so they are flushed first (see [Note: flushing ... at a new forward])."""
         self.held_outside[unit] = self.held_outside.get(unit, 0) + 1
         for rec in unit.records:
             if rec.state is State.DEFERRED_RELEASE:

@@ -1,0 +1,130 @@
+"""Peak memory of one training step, per rank, all measured in one run.
+
+Model: 16 x Linear(1024, 1024) (64 MiB of fp32 parameters), batch 32, SGD.
+For each way to run it (plain torch in one process; paramfsm world 2;
+PyTorch FSDP2 ``fully_shard`` per layer world 2) the worker process notes
+its resident set before it builds the model, builds, shards and trains one
+step, resets its peak (``/proc/self/clear_refs``), trains the measured
+steps, and reports the peak resident set above that baseline (``VmHWM``):
+what a training step costs at its worst moment (parameters or shards,
+gathered parameters, gradients, optimizer state, activations). The peak of
+set-up plus the first step is reported separately. The workers run with a fixed glibc mmap
+threshold (``MALLOC_MMAP_THRESHOLD_``), so every large tensor is its own
+mapping, returned to the system when freed, and RSS follows tensor memory;
+the numbers are in MiB, rank 0 shown.
+
+    python benchmarks/memory.py [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch import nn
+
+from paramfsm.launch import RankPool
+
+DEPTH, WIDTH, BATCH = 16, 1024, 32
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+        clear.write("5")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)))
+
+
+def _train(model, params, steps: int, baseline_kib: int) -> dict:
+    opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    x = torch.randn(BATCH, WIDTH)
+    setup_peak = 0
+    for i in range(steps + 1):
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        if i == 0:  # set-up (building, sharding) and the first step allocate once; measure the rest
+            setup_peak = _status_kib("VmHWM")
+            _reset_peak()
+    return {"peak_mib": (_status_kib("VmHWM") - baseline_kib) / 1024,
+            "setup_peak_mib": (setup_peak - baseline_kib) / 1024,
+            "between_steps_mib": (_status_kib("VmRSS") - baseline_kib) / 1024}
+
+
+def _start() -> int:
+    import gc
+
+    gc.collect()
+    baseline = _status_kib("VmRSS")
+    _reset_peak()
+    return baseline
+
+
+def plain_job(rank, world, steps):
+    baseline = _start()
+    model = _model()
+    return _train(model, model.parameters(), steps, baseline)
+
+
+def paramfsm_job(rank, world, steps):
+    import paramfsm
+    import paramfsm.runtime  # noqa: F401 - imported before the baseline, like FSDP2's modules
+
+    baseline = _start()
+    model = _model()
+    rt = paramfsm.shard(model)
+    return _train(model, rt.shard_parameters(), steps, baseline)
+
+
+def fsdp2_job(rank, world, steps):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    baseline = _start()
+    model = _model()
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _train(model, model.parameters(), steps, baseline)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args(argv)
+    # Read by glibc when each spawned worker starts; without it glibc raises its threshold
+    # after the first large free and keeps later tensors in a heap that RSS never gives back.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
+    rows = []
+    print("measuring peak memory per step ...", file=sys.stderr, flush=True)
+    with RankPool(1) as one:
+        rows.append(("plain torch (1 process)", one.run(plain_job, args.steps)[0]))
+    with RankPool(2) as two:
+        rows.append(("paramfsm world 2", two.run(paramfsm_job, args.steps)[0]))
+    with RankPool(2) as two:
+        rows.append(("FSDP2 world 2", two.run(fsdp2_job, args.steps)[0]))
+    base = rows[0][1]["peak_mib"]
+    print(f"{'run':<26}{'step peak MiB':>14}{'vs plain':>10}{'between steps MiB':>19}{'set-up peak MiB':>17}")
+    for name, r in rows:
+        print(f"{name:<26}{r['peak_mib']:>14.1f}{r['peak_mib'] / base:>10.2f}{r['between_steps_mib']:>19.1f}"
+              f"{r['setup_peak_mib']:>17.1f}")
+    print(f"(parameters: {DEPTH * (WIDTH * WIDTH + WIDTH) * 4 / 2**20:.1f} MiB fp32; rank 0 shown)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,293 @@
+"""A catalogue of real parameter-lifetime bugs, each injectable into paramfsm for a test.
+
+Every entry re-creates, inside paramfsm, a bug that shipped in a ZeRO-3 or
+FSDP implementation (the ``source`` says where it was reported). A fault is
+a context manager that monkeypatches one scheduler, executor, hooks or
+graph-task function for the duration of the ``with`` block and restores it
+afterwards; nothing in the normal code path knows about faults.
+
+Faults act in the process that activates them. Under a
+:class:`~paramfsm.launch.RankPool` the rank job activates the fault by name
+(``paramfsm.testing.runner.run_program`` takes it in its options), around
+``paramfsm.shard`` and the whole program: patches of methods the scheduler
+binds at construction (its effect table) only take effect on runtimes
+created while the fault is active.
+
+``paramfsm verify`` must kill every entry: ``python -m paramfsm.testing.mutants``
+prints the table and ``tests/test_mutants.py`` asserts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from paramfsm import executor, graph_task, hooks
+from paramfsm.executor import Executor
+from paramfsm.scheduler import Scheduler
+from paramfsm.spec import State
+
+
+@attrs.frozen(slots=True)
+class Fault:
+    """One catalogued bug: what goes wrong, where it was reported, and how to inject it."""
+
+    name: str
+    bug: str
+    source: str
+    kind: str  # "correctness", "memory" or "performance": what verify must notice
+    inject: Callable[[], contextlib.AbstractContextManager]
+
+
+@contextlib.contextmanager
+def _patched(owner, attr: str, make: Callable) -> Iterator[None]:
+    """Replace ``owner.attr`` with ``make(original)`` for the duration of the block."""
+    original = getattr(owner, attr)
+    setattr(owner, attr, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, attr, original)
+
+
+def _preprocess_once_per_process():
+    done: set = set()
+
+    def make(original):
+        def _on_pre_backward(self, ev):
+            if ev.unit in done:
+                self._begin_task(ev.graph_task, ev.keep_graph)
+                return
+            done.add(ev.unit)
+            original(self, ev)
+        return _on_pre_backward
+    return _patched(Scheduler, "_on_pre_backward", make)
+
+
+def _release_in_retained_window():
+    def make(original):
+        def _defer(self, rec):
+            original(self, rec)
+            self.executor.free(rec)
+        return _defer
+    return _patched(Scheduler, "_defer", make)
+
+
+@contextlib.contextmanager
+def _once_per_forward_flag():
+    ran: set = set()
+
+    def pre_backward(original):
+        def _on_pre_backward(self, ev):
+            if id(ev.call) in ran:
+                self._begin_task(ev.graph_task, ev.keep_graph)
+                return
+            ran.add(id(ev.call))
+            original(self, ev)
+        return _on_pre_backward
+
+    def forward_begin(original):
+        def _on_forward_begin(self, ev):
+            if graph_task.current_task() == graph_task.NO_TASK:
+                ran.clear()
+            original(self, ev)
+        return _on_forward_begin
+
+    with _patched(Scheduler, "_on_pre_backward", pre_backward), \
+            _patched(Scheduler, "_on_forward_begin", forward_begin):
+        yield
+
+
+def _deferred_never_flushed():
+    return _patched(Scheduler, "flush", lambda original: lambda self: None)
+
+
+def _tied_reduced_twice():
+    def make(original):
+        def take_grad(self, rec):
+            grad = rec.param.grad
+            original(self, rec)
+            for _ in rec.units[1:]:
+                rec.param.grad = grad
+                original(self, rec)
+        return take_grad
+    return _patched(Executor, "take_grad", make)
+
+
+def _release_before_last_holder():
+    def make(original):
+        def release(self, unit, keep_graph):
+            defer = keep_graph and self.defer_allowed
+            for rec in unit.records:
+                while rec.holds > 1:
+                    self._step(rec, "release", defer)
+            original(self, unit, keep_graph)
+        return release
+    return _patched(Scheduler, "release", make)
+
+
+def _abandoned_prefetch_left_inflight():
+    return _patched(Scheduler, "_abandon", lambda original: lambda self, plan, passes: None)
+
+
+def _no_grad_forward_left_gathered():
+    def make(original):
+        def _post_forward(emit, unit, module, args, output):
+            if not torch.is_grad_enabled():
+                return None
+            return original(emit, unit, module, args, output)
+        return _post_forward
+    return _patched(hooks, "_post_forward", make)
+
+
+def _grads_summed_not_averaged():
+    def make(original):
+        def reduce_scatter_flat(out, inp, group, async_op=True):
+            return original(out, inp.mul_(dist.get_world_size(group)), group, async_op)
+        return reduce_scatter_flat
+    return _patched(executor, "reduce_scatter_flat", make)
+
+
+def _deferred_reuse_regathers():
+    def make(original):
+        def fetch(self, unit, plan, passes):
+            for rec in unit.records:
+                if rec.state is State.DEFERRED_RELEASE:
+                    self._step(rec, "flush")
+            original(self, unit, plan, passes)
+        return fetch
+    return _patched(Scheduler, "fetch", make)
+
+
+def _released_data_not_emptied():
+    return _patched(Executor, "free", lambda original: lambda self, rec: None)
+
+
+def _final_callback_once_per_process():
+    queued: list = []
+
+    def make(original):
+        def queue_final_callback(callback):
+            if not queued:
+                queued.append(callback)
+                original(callback)
+        return queue_final_callback
+    return _patched(graph_task, "queue_final_callback", make)
+
+
+def _retained_graph_drop_not_returned():
+    return _patched(hooks.ForwardCall, "__del__", lambda original: lambda self: None)
+
+
+def _recompute_not_gathered():
+    def pre(original):
+        def _on_pre_forward(self, ev):
+            if graph_task.current_task() == graph_task.NO_TASK:
+                original(self, ev)
+        return _on_pre_forward
+
+    def post(original):
+        def _on_post_forward(self, ev):
+            if graph_task.current_task() == graph_task.NO_TASK:
+                original(self, ev)
+        return _on_post_forward
+
+    @contextlib.contextmanager
+    def both():
+        with _patched(Scheduler, "_on_pre_forward", pre), _patched(Scheduler, "_on_post_forward", post):
+            yield
+    return both()
+
+
+CATALOGUE: tuple[Fault, ...] = (
+    Fault("preprocess_once_per_process",
+          "pre-backward preprocessing (the unit's fetch) runs once per process, not once per graph task",
+          "DeepSpeed #7352 (PR #8135: 'preprocess/prologue is triggered only once across two backward calls')",
+          "correctness", _preprocess_once_per_process),
+    Fault("release_in_retained_window",
+          "a release inside a keep-graph backward frees the data while the lifetime says it is kept "
+          "(no deferral, no re-gather)",
+          "DeepSpeed #7352 (PR #8045: 'tensor size mismatch on the second backward (0 vs 4)'), DeepSpeed #3539",
+          "correctness", _release_in_retained_window),
+    Fault("once_per_forward_flag",
+          "a per-forward 'pre-backward ran' flag skips the unshard in a second backward over the same forward",
+          "FSDP1 pre-backward flag: pytorch/pytorch #106637 (retain_graph with FSDP)",
+          "correctness", _once_per_forward_flag),
+    Fault("deferred_never_flushed",
+          "deferred releases are never flushed (end of backward, new forward, rt.flush())",
+          "DeepSpeed PR #8135 review: keeping parameters gathered after the first backward defeats ZeRO-3",
+          "memory", _deferred_never_flushed),
+    Fault("tied_reduced_twice",
+          "a tied parameter's gradient is reduce-scattered once per holding unit",
+          "fairscale PR #513 ('if it fires more than once, we incorrectly shard the grad multiple times'), "
+          "DeepSpeed #684",
+          "correctness", _tied_reduced_twice),
+    Fault("release_before_last_holder",
+          "a release drops every holder, so a shared parameter is freed while another unit still uses it",
+          "DeepSpeed #7811 (assert not param.ds_active_sub_modules in free_param)",
+          "correctness", _release_before_last_holder),
+    Fault("abandoned_prefetch_left_inflight",
+          "a prefetch the pass never used is not abandoned and stays gathered or in flight",
+          "DeepSpeed #5828 ('still have inflight params'), fixed by DeepSpeed PR #6557",
+          "memory", _abandoned_prefetch_left_inflight),
+    Fault("no_grad_forward_left_gathered",
+          "the post-forward release only runs when grad is enabled, so a no_grad forward leaves parameters gathered",
+          "DeepSpeed PR #8130 review (parameters stay AVAILABLE when the block input needs no grad), DeepSpeed #3025",
+          "memory", _no_grad_forward_left_gathered),
+    Fault("grads_summed_not_averaged",
+          "reduce-scatter sums gradients over ranks instead of averaging them",
+          "facebookresearch/dinov3 PR #250 ('Average the gradients instead of sum')",
+          "correctness", _grads_summed_not_averaged),
+    Fault("deferred_reuse_regathers",
+          "a fetch of a DEFERRED_RELEASE parameter flushes and re-gathers it (correct values, wasted all-gathers)",
+          "DeepSpeed PR #8045 (defer release so the second backward reuses the gathered parameters), "
+          "DeepSpeed #1069 (ZeRO-3 slowdown from redundant fetches)",
+          "performance", _deferred_reuse_regathers),
+    Fault("released_data_not_emptied",
+          "a released parameter's .data is not emptied, so its full storage stays live",
+          "DeepSpeed #3658 (param.data = torch.empty(0) but the memory is not returned)",
+          "memory", _released_data_not_emptied),
+    Fault("final_callback_once_per_process",
+          "the end-of-backward callback is queued once per process, not once per backward",
+          "fairscale PR #753 (final backward callback queued on the wrong backward call)",
+          "correctness", _final_callback_once_per_process),
+    Fault("retained_graph_drop_not_returned",
+          "dropping a retained graph without a final backward never returns its deferred parameters",
+          "DeepSpeed PR #8135 review (bound the retained window; no state leak beyond it)",
+          "memory", _retained_graph_drop_not_returned),
+    Fault("recompute_not_gathered",
+          "activation-checkpoint recomputation inside backward does not gather the parameters it uses",
+          "huggingface/transformers #47254 and DeepSpeed PR #8148 (recomputed metadata shape [0])",
+          "correctness", _recompute_not_gathered),
+)
+
+FAULTS: dict[str, Fault] = {fault.name: fault for fault in CATALOGUE}
+
+
+def inject(name: str) -> Fault:
+    """Activate the named fault for the rest of the process (for reproduction scripts)."""
+    manager = activate(name)
+    fault = manager.__enter__()
+    _INJECTED.append(manager)
+    return fault
+
+
+_INJECTED: list = []  # managers of faults injected for the rest of the process
+
+
+@contextlib.contextmanager
+def activate(name: str | None) -> Iterator[Fault | None]:
+    """Inject the named fault for the duration of the block (no-op for None)."""
+    if name is None:
+        yield None
+        return
+    try:
+        fault = FAULTS[name]
+    except KeyError:
+        raise KeyError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}") from None
+    with fault.inject():
+        yield fault

@@ -1,0 +1,196 @@
+"""The checks ``paramfsm verify`` runs on one rank after every op of a program.
+
+Each check returns a list of problems (strings naming the parameter and what
+is wrong); an empty list means the check passed. None of them communicates:
+every rank holds the full plain-torch reference (see
+:mod:`paramfsm.testing.runner`), so shards and shard gradients are compared
+with this rank's slice of the reference locally.
+
+[Note: invariants come from the spec]
+The invariant names a state must satisfy are read from the compiled spec
+(``table.spec.states[name].invariants``); :data:`INVARIANTS` implements each
+name as a predicate over a parameter record. A spec naming an invariant this
+module does not implement fails loudly, so the spec and the checks cannot
+drift apart.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Mapping
+
+import torch
+
+from paramfsm.spec import State
+from paramfsm.trace import replay
+
+
+def _data_empty(rec) -> str | None:
+    numel = rec.param.data.numel()
+    return None if numel == 0 else f"param.data holds {numel} elements, expected an empty tensor"
+
+
+def _data_full(rec) -> str | None:
+    shape = tuple(rec.param.data.shape)
+    return None if shape == tuple(rec.shape) else f"param.data has shape {shape}, expected {tuple(rec.shape)}"
+
+
+def _shard_intact(rec) -> str | None:
+    shard = rec.shard
+    if shard.dim() != 1 or shard.numel() != rec.shard_numel:
+        return f"the shard has shape {tuple(shard.shape)}, expected ({rec.shard_numel},)"
+    if not shard.is_leaf or shard.requires_grad != rec.requires_grad:
+        return "the shard is no longer a leaf with the parameter's requires_grad"
+    return None
+
+
+def _no_handle(rec) -> str | None:
+    return None if rec.pending is None else "a gather is still pending on it"
+
+
+def _pending_handle(rec) -> str | None:
+    return None if rec.pending is not None else "no gather is pending on it"
+
+
+def _retained_graph_live(rec) -> str | None:
+    if any(u.live_graphs > 0 for u in rec.units):
+        return None
+    return "no live retained graph references any of its units"
+
+
+#: Invariant name (as written in the spec) -> predicate returning a problem or None.
+INVARIANTS: Mapping[str, Callable] = {
+    "data_empty": _data_empty,
+    "data_full": _data_full,
+    "shard_intact": _shard_intact,
+    "no_handle": _no_handle,
+    "pending_handle": _pending_handle,
+    "retained_graph_live": _retained_graph_live,
+}
+
+
+def records(rt) -> list:
+    """The runtime's parameter records (its side table), one per distinct parameter."""
+    return rt.scheduler.records
+
+
+def state_invariants(rt) -> list[str]:
+    """Every parameter satisfies every invariant the spec names for its state."""
+    states = rt.table.spec.states
+    problems = []
+    for rec in records(rt):
+        for name in states[rec.state.name].invariants:
+            check = INVARIANTS.get(name)
+            if check is None:
+                raise KeyError(f"the spec names invariant {name!r}, which paramfsm.testing.checks does not implement")
+            problem = check(rec)
+            if problem:
+                problems.append(f"'{rec.name}' in {rec.state.name} breaks invariant {name}: {problem}")
+    return problems
+
+
+def at_rest(rt, graph_alive: bool, retain: str, released_by: str = "") -> list[str]:
+    """Between ops nothing is in flight or held; deferred only under retain="defer" while a graph is alive.
+
+    ``graph_alive``: the program still references an autograd graph.
+    ``released_by``: what the op was when it must leave nothing deferred
+    (``rt.flush()``; a backward without ``retain_graph`` when no retained
+    graph is alive), or empty.
+    """
+    problems = []
+    for rec in records(rt):
+        state = rec.state
+        if state is State.INFLIGHT:
+            problems.append(f"'{rec.name}' is left INFLIGHT between ops (an abandoned prefetch?)")
+        elif state is State.AVAILABLE:
+            problems.append(f"'{rec.name}' is left AVAILABLE (holds={rec.holds}) between ops: gathered with no user")
+        elif state is State.DEFERRED_RELEASE and released_by:
+            problems.append(f"'{rec.name}' is still DEFERRED_RELEASE after {released_by}")
+        elif state is State.DEFERRED_RELEASE and not (graph_alive and retain == "defer"):
+            why = "the program references no autograd graph" if retain == "defer" else 'retain="regather"'
+            problems.append(f"'{rec.name}' is DEFERRED_RELEASE but {why}")
+    return problems
+
+
+def shard_slice(full: torch.Tensor | None, rec, rank: int, world: int) -> torch.Tensor | None:
+    """This rank's slice of the flattened, zero-padded full tensor (what paramfsm's shard should hold)."""
+    if full is None:
+        return None
+    flat = torch.zeros(rec.shard_numel * world, dtype=full.dtype)
+    flat[:full.numel()] = full.detach().reshape(-1)
+    return flat[rank * rec.shard_numel:(rank + 1) * rec.shard_numel]
+
+
+def _close(got, want, atol: float, rtol: float) -> float | None:
+    """None when equal within tolerance (None matches None or zeros), else the largest difference."""
+    if got is None or want is None:
+        other = want if got is None else got
+        return None if other is None or not other.abs().max().item() else float(other.abs().max().item())
+    if got.shape != want.shape:
+        return float("inf")
+    if torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol):
+        return None
+    return float((got.float() - want.float()).abs().max().item())
+
+
+def matches_reference(rt, ref_params: Mapping, ref_grads: Mapping, rank: int, world: int,
+                      atol: float, rtol: float) -> list[str]:
+    """Shards and shard gradients equal this rank's slice of the reference parameters and gradients."""
+    problems = []
+    for rec in records(rt):
+        diff = _close(rec.shard.detach(), shard_slice(ref_params[rec.name], rec, rank, world), atol, rtol)
+        if diff is not None:
+            problems.append(f"'{rec.name}' differs from the reference parameter by {diff:.3g} (atol {atol})")
+        grad = rec.shard.grad
+        diff = _close(grad, shard_slice(ref_grads[rec.name], rec, rank, world), atol, rtol)
+        if diff is not None:
+            problems.append(f"the gradient of '{rec.name}' differs from the reference by {diff:.3g} (atol {atol})")
+    return problems
+
+
+def full_values(rt, ref_params: Mapping, atol: float, rtol: float,
+                states=(State.AVAILABLE, State.DEFERRED_RELEASE)) -> list[str]:
+    """Every gathered parameter's full data equals the reference parameter (not a stale copy)."""
+    problems = []
+    for rec in records(rt):
+        if rec.state in states and _close(rec.param.data, ref_params[rec.name].detach(), atol, rtol) is not None:
+            problems.append(f"'{rec.name}' is {rec.state.name} but its full data differs from the current parameter")
+    return problems
+
+
+def communication(op_kind: str, before: Mapping, after: Mapping, *, all_deferred: bool, grad_params: int,
+                  units: int) -> list[str]:
+    """Communication counts of one op are sane (see the module docstring of paramfsm.testing.runner)."""
+    gathers = after["all_gathers"] - before["all_gathers"]
+    reduces = after["reduce_scatters"] - before["reduce_scatters"]
+    problems = []
+    backward = op_kind in ("Backward", "Penalty")
+    if backward and all_deferred and gathers:
+        problems.append(f"{gathers} all-gather(s) in a backward that found every parameter DEFERRED_RELEASE "
+                        "(reuse of deferred parameters must not communicate)")
+    passes = 2 if op_kind == "Penalty" else 1
+    if reduces > passes * max(grad_params, 1):
+        problems.append(f"{reduces} reduce-scatters for {grad_params} parameters that require grad")
+    if not backward and reduces:
+        problems.append(f"{reduces} reduce-scatter(s) outside backward")
+    bound = units * (4 if backward else 2) * passes
+    if gathers > bound:
+        problems.append(f"{gathers} all-gathers, more than {bound} for {units} units")
+    return problems
+
+
+def trace_problems(records, table) -> tuple[int | None, list[str]]:
+    """Replay the trace through the spec; each parameter's gradient reduced at most once per graph task.
+
+    Returns the index of the first offending record (or None) and the problems.
+    """
+    error = replay(records, table)
+    if error is not None:
+        return error.index, [f"the trace does not replay through the spec: {error}"]
+    reduced = Counter((r.graph_task, r.param) for r in records if "reduce_grad" in r.effects)
+    for (task, param), count in reduced.items():
+        if count > 1:
+            first = next(i for i, r in enumerate(records)
+                         if r.graph_task == task and r.param == param and "reduce_grad" in r.effects)
+            return first, [f"'{param}' had its gradient reduced {count} times in graph task {task}"]
+    return None, []

@@ -1,0 +1,122 @@
+"""Mutation run: does ``paramfsm verify`` kill every bug of the catalogue (:mod:`paramfsm.faults`)?
+
+``python -m paramfsm.testing.mutants`` first verifies the unmutated runtime
+with the same budget (a baseline: if it fails, a "kill" would mean nothing
+and the run stops), then runs verification once per catalogued fault,
+injected on the ranks, and prints one row per fault: the bug, its source,
+whether verify killed it, how many programs it needed (the canonical patterns
+run first, see :data:`paramfsm.testing.programs.CANONICAL`), the seconds to the
+first failing program, and which check caught it. The programs a seed draws
+are the same with and without a fault until the first failure, so a kill
+within the baseline's budget is the fault's doing. The exit status is 1 when
+the baseline fails or a fault survives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import attrs
+
+from paramfsm.faults import CATALOGUE, Fault
+from paramfsm.launch import RankPool
+from paramfsm.testing.verify import verify
+
+log = logging.getLogger(__name__)
+
+SUBJECT = "paramfsm.testing.subjects:branchy_lm"
+
+
+@attrs.frozen(slots=True)
+class Row:
+    fault: Fault
+    killed: bool
+    examples: int | None
+    seconds: float
+    check: str
+
+
+def run_catalogue(*, subject: str = SUBJECT, examples: int = 25, seed: int = 0, world_size: int = 2,
+                  pool: RankPool | None = None, faults=CATALOGUE,
+                  canonical_first: bool = True) -> tuple[str | None, list[Row]]:
+    """Baseline, then one verification per fault; returns (baseline failure message or None, rows)."""
+    own_pool = pool is None
+    pool = pool or RankPool(world_size)
+    try:
+        baseline = verify(subject, world_size=world_size, examples=examples, seed=seed, pool=pool, shrink=False,
+                          canonical_first=canonical_first)
+        if baseline.failure is not None:
+            finding = baseline.failure
+            return (f"the unmutated runtime fails ({finding.kind} at op {finding.op}: "
+                    f"{finding.message.splitlines()[0][:300]})\n{finding.reproduction}"), []
+        rows = []
+        for fault in faults:
+            start = time.perf_counter()
+            report = verify(subject, world_size=world_size, examples=examples, seed=seed, pool=pool,
+                            fault=fault.name, shrink=False, canonical_first=canonical_first)
+            finding = report.failure
+            rows.append(Row(fault, finding is not None, report.examples_to_failure,
+                            report.seconds_to_failure if finding else time.perf_counter() - start,
+                            finding.kind if finding else ""))
+            log.info("%s: %s", fault.name, "killed" if finding else "survived")
+        return None, rows
+    finally:
+        if own_pool:
+            pool.close()
+
+
+def format_table(rows: list[Row]) -> str:
+    """A markdown table: bug, source, killed?, examples needed, seconds, check."""
+    lines = ["| bug | source | killed? | examples | seconds | check |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| `{row.fault.name}`: {row.fault.bug} | {row.fault.source} | "
+                     f"{'yes' if row.killed else 'NO'} | {row.examples if row.killed else '-'} | "
+                     f"{row.seconds:.1f} | {row.check or '-'} |")
+    killed = sum(row.killed for row in rows)
+    lines.append("")
+    lines.append(f"{killed}/{len(rows)} killed")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m paramfsm.testing.mutants", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--subject", default=SUBJECT, help=f"verify factory (default {SUBJECT})")
+    parser.add_argument("--examples", type=int, default=25, help="programs per fault (and for the baseline)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--only", nargs="+", metavar="FAULT", help="run only these faults")
+    parser.add_argument("--random-only", action="store_true",
+                        help="skip the canonical patterns: drawn programs only (a harder test of the search)")
+    parser.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    parser.add_argument("-v", "--verbose", action="store_true", help="one line per program on stderr")
+    args = parser.parse_args(argv)
+    if args.list:
+        for fault in CATALOGUE:
+            print(f"{fault.name}\t{fault.kind}\t{fault.bug}\t[{fault.source}]")
+        return 0
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    chosen = CATALOGUE
+    if args.only:
+        unknown = set(args.only) - {f.name for f in CATALOGUE}
+        if unknown:
+            parser.error(f"unknown fault(s): {', '.join(sorted(unknown))}")
+        chosen = tuple(f for f in CATALOGUE if f.name in args.only)
+    start = time.perf_counter()
+    problem, rows = run_catalogue(subject=args.subject, examples=args.examples, seed=args.seed,
+                                  world_size=args.world_size, faults=chosen, canonical_first=not args.random_only)
+    if problem is not None:
+        print(f"mutants: {problem}", file=sys.stderr)
+        return 1
+    print(format_table(rows))
+    programs = "drawn programs only" if args.random_only else "the canonical patterns, then drawn programs"
+    print(f"subject {args.subject}, {programs} (at most {args.examples} drawn per fault), seed {args.seed}, "
+          f"world size {args.world_size}, {time.perf_counter() - start:.0f}s in all")
+    return 0 if all(row.killed for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

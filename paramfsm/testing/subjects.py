@@ -1,0 +1,72 @@
+"""Verification subjects (factories for ``paramfsm verify``) built from the shared test models.
+
+Each function here is a factory: ``paramfsm verify paramfsm.testing.subjects:tiny_transformer``.
+``branchy_lm`` is the model the fault catalogue is checked against: it has
+tied embedding and head weights, and an adapter used only in training mode,
+so an eval-mode forward changes the unit order and leaves a prefetch unused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paramfsm.testing.models import Block, TinyTransformer, mlp
+from paramfsm.testing.subject import Subject
+
+VOCAB, SEQ, DIM = 32, 8, 16
+
+
+def token_batch(generator: torch.Generator, n: int):
+    """Random token sequences and next-token targets."""
+    tokens = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
+    targets = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
+    return tokens, targets
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def tiny_transformer() -> Subject:
+    """The demo model: ``paramfsm.testing.models.TinyTransformer``."""
+    return Subject(TinyTransformer(vocab=VOCAB, dim=DIM, depth=2, seq=SEQ), token_batch, lm_loss)
+
+
+def tiny_transformer_tied() -> Subject:
+    """The demo model with its LM head tied to the token embedding."""
+    return Subject(TinyTransformer(vocab=VOCAB, dim=DIM, depth=2, seq=SEQ, tied=True), token_batch, lm_loss)
+
+
+def regression_batch(generator: torch.Generator, n: int):
+    return torch.randn(n, 4, generator=generator), torch.randn(n, 3, generator=generator)
+
+
+def mlp_regression() -> Subject:
+    """A tanh MLP with a mean-squared-error loss."""
+    return Subject(mlp(width=8, depth=3, d_in=4, d_out=3), regression_batch, F.mse_loss)
+
+
+class BranchyLM(nn.Module):
+    """Tied embedding/head, two blocks, and an adapter that only runs in training mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM) for _ in range(2))
+        self.adapter = nn.Linear(DIM, DIM)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](self.embed(tokens))
+        if self.training:
+            x = x + self.adapter(x)
+        return self.head(self.norm(self.blocks[1](x)))
+
+
+def branchy_lm() -> Subject:
+    """The fault catalogue's subject (see the module docstring)."""
+    return Subject(BranchyLM(), token_batch, lm_loss)

@@ -1,0 +1,233 @@
+"""Property-based verification of training loops: ``paramfsm.testing.verify_model`` and its engine.
+
+Hypothesis draws training-loop programs (:mod:`paramfsm.testing.programs`)
+in this process; each program runs, identical, on every rank of a
+:class:`~paramfsm.launch.RankPool` beside a plain-torch reference
+(:mod:`paramfsm.testing.runner`), with checks after every op. A failing
+program is shrunk (hypothesis deletes and simplifies ops, within a time
+budget) and reported as a runnable reproduction that calls only the public
+API.
+
+Add one test to your CI::
+
+    from paramfsm.testing import verify_model
+
+    def test_paramfsm_lifetimes():
+        verify_model("mypkg.models:make_subject", world_size=2, examples=20)
+
+``examples`` can be raised without editing the test through the
+``PARAMFSM_VERIFY_EXAMPLES`` environment variable. See
+:mod:`paramfsm.testing.subject` for what the factory returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import attrs
+from hypothesis import HealthCheck, Phase, Verbosity, example, given, settings
+from hypothesis import seed as hypothesis_seed
+
+from paramfsm.launch import RankFailure, RankPool
+from paramfsm.testing.programs import Config, Program, Shape, canonical, programs
+from paramfsm.testing.reproduction import render
+from paramfsm.testing.runner import Options, Outcome, run_program
+from paramfsm.testing.subject import Subject, first_tensor, global_batch, load_subject, split
+from paramfsm.units import select_unit_modules
+
+__all__ = ["verify", "verify_model", "VerificationFailed", "Report", "Finding", "Subject", "load_subject",
+           "examples_from_env"]
+
+log = logging.getLogger(__name__)
+
+EXAMPLES_ENV = "PARAMFSM_VERIFY_EXAMPLES"
+
+
+def examples_from_env(default: int) -> int:
+    """``PARAMFSM_VERIFY_EXAMPLES`` when set (a larger budget for nightly runs), else ``default``."""
+    value = os.environ.get(EXAMPLES_ENV, "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{EXAMPLES_ENV}={value!r}: expected a positive integer")
+    return int(value)
+
+
+@attrs.frozen(slots=True)
+class Finding:
+    """A failing program: where it failed, why, and a script that reproduces it."""
+
+    program: Program
+    op: int | None
+    kind: str
+    message: str
+    detail: str
+    reproduction: str
+
+
+@attrs.frozen(slots=True)
+class Report:
+    """What a verification run did: examples run, time, and the (shrunk) failure if any."""
+
+    examples: int
+    seconds: float
+    failure: Finding | None = None
+    examples_to_failure: int | None = None
+    seconds_to_failure: float | None = None
+
+
+class VerificationFailed(AssertionError):
+    """A program broke a check; the message holds the failure and a runnable reproduction."""
+
+    def __init__(self, finding: Finding):
+        self.finding = finding
+        where = f"op {finding.op}" if finding.op is not None else "setup or teardown"
+        super().__init__(f"paramfsm verify: {finding.kind} check failed at {where}: {finding.message}\n\n"
+                         f"Reproduction (torchrun --nproc-per-node WORLD repro.py):\n\n{finding.reproduction}")
+
+
+class _Falsified(Exception):
+    """Raised inside the hypothesis test to mark an example as failing."""
+
+
+class _StopShrinking(BaseException):
+    """Ends the search when the shrink budget is spent (hypothesis does not catch BaseException)."""
+
+
+def probe(factory, seed: int = 0, per_rank: int = 2) -> Shape:
+    """What the generator needs to know about the subject, learnt by building it once here."""
+    import torch
+
+    subject = load_subject(factory, seed)
+    modules = tuple(name for name in select_unit_modules(subject.model, subject.units) if name)
+    inputs, _ = global_batch(subject, 0, seed, 1, per_rank)
+    with torch.no_grad():
+        output = subject.model(split(inputs, 1)[0])
+    try:
+        tensor_output = isinstance(output, torch.Tensor) and first_tensor(output).is_floating_point()
+    except TypeError:
+        tensor_output = False
+    return Shape(modules, subject.checkpoint, tensor_output, subject.create_graph)
+
+
+class _Search:
+    """Runs programs on the pool and keeps the smallest failure of the first failure's kind."""
+
+    def __init__(self, pool: RankPool, factory, options: Options, shrink_budget_s: float):
+        self.pool, self.factory, self.options = pool, factory, options
+        self.shrink_budget_s = shrink_budget_s
+        self.runs = 0
+        self.start = time.perf_counter()
+        self.first: tuple[int, float] | None = None
+        self.best: tuple[Program, Outcome] | None = None
+
+    def run(self, program: Program) -> None:
+        if self.first is not None and time.perf_counter() - self.start - self.first[1] > self.shrink_budget_s:
+            raise _StopShrinking()
+        self.runs += 1
+        began = time.perf_counter()
+        try:
+            outcomes = self.pool.run(run_program, self.factory, program, self.options,
+                                     timeout=self.options.timeout_s * 2 + 30)
+        except RankFailure as exc:
+            outcomes = [Outcome(True, None, "crash", f"rank {exc.rank} died or hung", exc.detail)]
+        outcome = _merge(outcomes)
+        log.info("example %d: %d ops, %s, %.2fs", self.runs, len(program.ops),
+                 f"FAILED ({outcome.kind})" if outcome.failed else "ok", time.perf_counter() - began)
+        if not outcome.failed:
+            return
+        if self.first is None:
+            self.first = (self.runs, time.perf_counter() - self.start)
+        if self.best is None or (outcome.kind == self.best[1].kind and _smaller(program, self.best[0])):
+            self.best = (program, outcome)
+        raise _Falsified(outcome.message)
+
+
+def _merge(outcomes) -> Outcome:
+    """One outcome for all ranks: the failure of the lowest-numbered rank that saw a problem itself."""
+    failed = [o for o in outcomes if o.failed]
+    if not failed:
+        return outcomes[0]
+    own = [o for o in failed if o.kind != "peer"] or failed
+    return min(own, key=lambda o: (o.op if o.op is not None else 1 << 30))
+
+
+def _smaller(a: Program, b: Program) -> bool:
+    return (len(a.ops), repr(a)) < (len(b.ops), repr(b))
+
+
+def verify(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, pool: RankPool | None = None,
+           fault: str | None = None, shrink: bool = True, shrink_budget_s: float = 120.0, max_ops: int = 16,
+           per_rank: int = 2, config: Config | None = None, timeout_s: float = 60.0,
+           canonical_first: bool = True) -> Report:
+    """Run the canonical programs, then up to ``examples`` drawn ones; return a :class:`Report`.
+
+    ``report.failure`` is set on failure. The canonical programs
+    (:data:`paramfsm.testing.programs.CANONICAL`) are the training-loop
+    patterns behind the catalogued bugs; they run first, unshrunk, unless
+    ``canonical_first`` is false or ``config`` fixes the configuration.
+
+    ``factory``: a callable or ``"module:attribute"`` (it must be importable on
+    the ranks). ``pool``: reuse a pool of ``world_size`` ranks (one is started
+    and closed otherwise). ``fault``: inject a catalogued bug
+    (:mod:`paramfsm.faults`) on the ranks. ``config``: fix the sharding
+    configuration instead of drawing it.
+    """
+    shape = probe(factory, seed, per_rank)
+    options = Options(seed=seed, per_rank=per_rank, fault=fault, timeout_s=timeout_s)
+    own_pool = pool is None
+    pool = pool or RankPool(world_size, timeout=timeout_s * 2 + 30)
+    if pool.world != world_size:
+        raise ValueError(f"the pool has {pool.world} ranks, not world_size={world_size}")
+    search = _Search(pool, factory, options, shrink_budget_s)
+    phases = (Phase.explicit, Phase.generate, Phase.shrink) if shrink else (Phase.explicit, Phase.generate)
+
+    @settings(max_examples=examples, deadline=None, database=None, phases=phases, derandomize=False,
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False, verbosity=Verbosity.quiet,
+              print_blob=False)
+    @hypothesis_seed(seed)
+    @given(programs(shape, max_ops, config))
+    def check(program):
+        search.run(program)
+
+    if config is None and canonical_first:
+        for program in reversed(canonical(shape)):
+            check = example(program)(check)
+    try:
+        check()
+    except (_Falsified, _StopShrinking):
+        pass
+    finally:
+        if own_pool:
+            pool.close()
+    seconds = time.perf_counter() - search.start
+    if search.best is None:
+        return Report(search.runs, seconds)
+    program, outcome = search.best
+    message = outcome.message + (f"\n{outcome.detail}" if outcome.detail else "")
+    script = render(program, _factory_name(factory), per_rank=per_rank, seed=seed, fail_at=outcome.op,
+                    message=f"{outcome.kind} check failed: {outcome.message}", fault=fault)
+    finding = Finding(program, outcome.op, outcome.kind, outcome.message, message, script)
+    return Report(search.runs, seconds, finding, search.first[0], search.first[1])
+
+
+def verify_model(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, pool: RankPool | None = None,
+                 **kwargs) -> Report:
+    """Verify a model's training loops; raise :class:`VerificationFailed` (with a reproduction) on failure.
+
+    ``examples`` is overridden by ``PARAMFSM_VERIFY_EXAMPLES`` when set. Other
+    keyword arguments go to :func:`verify`.
+    """
+    report = verify(factory, world_size=world_size, examples=examples_from_env(examples), seed=seed,
+                    pool=pool, **kwargs)
+    if report.failure is not None:
+        raise VerificationFailed(report.failure)
+    return report
+
+
+def _factory_name(factory) -> str:
+    if isinstance(factory, str):
+        return factory
+    return f"{factory.__module__}:{factory.__qualname__}"

@@ -1,0 +1,68 @@
+"""The fault catalogue: every real lifetime bug in it must be killed by ``paramfsm verify`` within the CI budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from paramfsm import executor, faults, graph_task, hooks
+from paramfsm.executor import Executor
+from paramfsm.scheduler import Scheduler
+from paramfsm.testing.mutants import format_table, main, run_catalogue
+from paramfsm.testing.verify import examples_from_env
+
+#: Programs per fault (and for the baseline) in CI; PARAMFSM_VERIFY_EXAMPLES raises it.
+CI_EXAMPLES = 25
+
+
+def test_the_catalogue():
+    assert len(faults.CATALOGUE) >= 12
+    assert len(faults.FAULTS) == len(faults.CATALOGUE), "fault names must be unique"
+    for fault in faults.CATALOGUE:
+        assert fault.source and fault.bug and fault.kind in ("correctness", "memory", "performance")
+    assert {f.kind for f in faults.CATALOGUE} == {"correctness", "memory", "performance"}
+
+
+def _patchable():
+    return ({name: getattr(Scheduler, name) for name in dir(Scheduler) if not name.startswith("__")},
+            {name: getattr(Executor, name) for name in dir(Executor) if not name.startswith("__")},
+            hooks._post_forward, hooks.ForwardCall.__del__, graph_task.queue_final_callback,
+            executor.reduce_scatter_flat)
+
+
+@pytest.mark.parametrize("name", list(faults.FAULTS))
+def test_a_fault_is_undone_when_its_block_ends(name):
+    before = _patchable()
+    with faults.activate(name) as fault:
+        assert fault.name == name
+        assert _patchable() != before, f"{name} patches nothing"
+    assert _patchable() == before
+
+
+def test_an_unknown_fault_is_named():
+    with pytest.raises(KeyError, match="known: preprocess_once_per_process"):
+        with faults.activate("no_such_bug"):
+            pass
+
+
+def test_every_fault_is_killed(ranks2):
+    problem, rows = run_catalogue(examples=examples_from_env(CI_EXAMPLES), pool=ranks2)
+    assert problem is None, problem
+    table = format_table(rows)
+    survivors = [row.fault.name for row in rows if not row.killed]
+    assert not survivors, table
+
+
+def test_drawn_programs_alone_kill_the_direct_faults(ranks2):
+    """Without the canonical patterns, the search itself finds the faults any training loop trips."""
+    direct = [f for f in faults.CATALOGUE if f.name in (
+        "tied_reduced_twice", "release_before_last_holder", "grads_summed_not_averaged", "released_data_not_emptied",
+        "no_grad_forward_left_gathered", "release_in_retained_window", "recompute_not_gathered")]
+    problem, rows = run_catalogue(examples=CI_EXAMPLES, pool=ranks2, faults=direct, canonical_first=False)
+    assert problem is None, problem
+    assert all(row.killed for row in rows), format_table(rows)
+
+
+def test_mutants_lists_the_catalogue(capsys):
+    assert main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(fault.name in out for fault in faults.CATALOGUE)

@@ -1,0 +1,199 @@
+"""``paramfsm verify``: generated programs, the checks, shrinking, reproductions, the CLI, and our models.
+
+The model runs share one two-rank pool (the ``ranks2`` fixture). ``PARAMFSM_VERIFY_EXAMPLES``
+raises their budget (programs per model) for longer runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from paramfsm import cli
+from paramfsm.fsm import default_table
+from paramfsm.spec import INVARIANTS
+from paramfsm.testing import checks
+from paramfsm.testing.programs import (
+    Backward, Config, Drop, Forward, Gathered, Loss, Penalty, Program, Shape, Step, programs,
+)
+from paramfsm.testing.reproduction import render
+from paramfsm.testing.runner import Mirror, Options, run_program
+from paramfsm.testing.subject import global_batch, load_subject, split
+from paramfsm.testing.verify import (
+    EXAMPLES_ENV, VerificationFailed, examples_from_env, probe, verify, verify_model,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+SUBJECTS = "paramfsm.testing.subjects:"
+MLP_SHAPE = Shape(modules=("0", "2", "4"))
+
+
+# ------------------------------------------------------------------ generated programs
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(programs(MLP_SHAPE, max_ops=16))
+def test_generated_programs_are_valid_plain_torch(program):
+    """The reference runs every generated program without an autograd error (no backward through a freed graph)."""
+    subject = load_subject(SUBJECTS + "mlp_regression", 0)
+    mirror = Mirror(subject, world=2)
+    slices = {b: tuple(split(part, 2) for part in global_batch(subject, b, 0, 2, 2)) for b in range(4)}
+    for op in program.ops:
+        mirror.apply(op, slices)
+    assert not mirror.outs and not mirror.losses, "the program must end by dropping every output"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(programs(Shape(modules=("blocks.0", "head")), max_ops=16))
+def test_reproductions_are_python(program):
+    script = render(program, SUBJECTS + "tiny_transformer", per_rank=2, seed=3, fail_at=len(program.ops) - 1,
+                    message="why it failed", fault="tied_reduced_twice")
+    compile(script, "repro.py", "exec")
+    assert "paramfsm.faults.inject('tied_reduced_twice')" in script
+    assert ("# <- fails here" in script) == bool(program.ops)
+
+
+def test_probe_reads_units_and_output():
+    shape = probe(SUBJECTS + "branchy_lm")
+    assert "adapter" in shape.modules and "blocks.1.qkv" in shape.modules and shape.tensor_output
+
+
+# ------------------------------------------------------------------ the checks
+
+def test_every_spec_invariant_is_implemented():
+    named = {inv for state in default_table().spec.states.values() for inv in state.invariants}
+    assert named <= set(checks.INVARIANTS) <= INVARIANTS
+
+
+class _Unit:
+    def __init__(self, live_graphs):
+        self.live_graphs = live_graphs
+
+
+class _Param:
+    def __init__(self, data):
+        self.data = data
+
+
+class _Record:
+    """A stand-in for a parameter record, to show each invariant check can fail."""
+
+    def __init__(self, data, pending=None, live_graphs=0):
+        self.name, self.param, self.shape = "w", _Param(data), (2, 3)
+        self.shard = torch.nn.Parameter(torch.zeros(3))
+        self.shard_numel, self.requires_grad = 3, True
+        self.pending, self.units = pending, (_Unit(live_graphs),)
+
+
+@pytest.mark.parametrize("name, good, bad", [
+    ("data_empty", _Record(torch.empty(0)), _Record(torch.zeros(2, 3))),
+    ("data_full", _Record(torch.zeros(2, 3)), _Record(torch.empty(0))),
+    ("no_handle", _Record(torch.empty(0)), _Record(torch.empty(0), pending=object())),
+    ("pending_handle", _Record(torch.empty(0), pending=object()), _Record(torch.empty(0))),
+    ("retained_graph_live", _Record(torch.zeros(2, 3), live_graphs=1), _Record(torch.zeros(2, 3))),
+])
+def test_invariant_checks_can_fail(name, good, bad):
+    assert checks.INVARIANTS[name](good) is None
+    assert checks.INVARIANTS[name](bad)
+
+
+def test_shard_intact_check_can_fail():
+    rec = _Record(torch.empty(0))
+    assert checks.INVARIANTS["shard_intact"](rec) is None
+    rec.shard = torch.nn.Parameter(torch.zeros(4))
+    assert "shape" in checks.INVARIANTS["shard_intact"](rec)
+
+
+def test_communication_check():
+    counts = {"all_gathers": 3, "reduce_scatters": 1}
+    zero = {"all_gathers": 0, "reduce_scatters": 0}
+    assert checks.communication("Backward", zero, counts, all_deferred=False, grad_params=4, units=3) == []
+    assert checks.communication("Backward", zero, counts, all_deferred=True, grad_params=4, units=3)
+    assert checks.communication("Step", zero, counts, all_deferred=False, grad_params=4, units=3)
+
+
+def test_examples_from_env(monkeypatch):
+    monkeypatch.delenv(EXAMPLES_ENV, raising=False)
+    assert examples_from_env(7) == 7
+    monkeypatch.setenv(EXAMPLES_ENV, "250")
+    assert examples_from_env(7) == 250
+    monkeypatch.setenv(EXAMPLES_ENV, "many")
+    with pytest.raises(ValueError, match=EXAMPLES_ENV):
+        examples_from_env(7)
+
+
+# ------------------------------------------------------------------ on the ranks
+
+def test_a_fixed_program_passes_every_check(ranks2):
+    """The seed pattern, a gradient penalty, checkpointing and gathered access, against plain torch."""
+    ops = (Forward(0, 0, "train"), Loss(0, 0, 0, 0), Loss(1, 0, 0, 1), Backward(0, True, False),
+           Backward(1, False, True), Step(), Gathered("blocks.0", 1), Forward(1, 1, "checkpoint"),
+           Loss(2, 1, 1, 2), Backward(2, True, False), Backward(2, False, False),
+           Forward(2, 2, "eval"), Loss(3, 2, 2, 0), Penalty(3, False),
+           Drop(0, (0, 1)), Drop(1, (2,)), Drop(2, (3,)))
+    for retain in ("defer", "regather"):
+        program = Program(Config(retain=retain), ops)
+        outcomes = ranks2.run(run_program, SUBJECTS + "tiny_transformer", program, Options())
+        for outcome in outcomes:
+            assert not outcome.failed, f"retain={retain}: {outcome.kind} at op {outcome.op}: {outcome.message}"
+
+
+def test_gathered_after_a_step_sees_the_stepped_parameters(ranks2):
+    """Gathered access after a step over a retained graph must see the stepped parameters."""
+    ops = (Forward(0, 0, "train"), Loss(0, 0, 0, 0), Backward(0, True, False), Step(),
+           Gathered(None, None), Drop(0, (0,)))
+    outcome = ranks2.run(run_program, SUBJECTS + "tiny_transformer", Program(Config(), ops), Options())[0]
+    assert not outcome.failed, outcome.message
+
+
+def test_a_failure_shrinks_to_a_reproduction(ranks2):
+    report = verify(SUBJECTS + "tiny_transformer_tied", examples=10, pool=ranks2, fault="tied_reduced_twice",
+                    shrink_budget_s=30, canonical_first=False)
+    finding = report.failure
+    assert finding is not None and finding.kind == "reference"
+    assert len(finding.program.ops) <= 4, finding.reproduction
+    assert "loss0.backward()  # <- fails here" in finding.reproduction
+    with pytest.raises(VerificationFailed, match="Reproduction"):
+        verify_model(SUBJECTS + "tiny_transformer_tied", examples=10, pool=ranks2, fault="tied_reduced_twice",
+                     shrink=False)
+
+
+@pytest.mark.parametrize("subject", ["tiny_transformer", "tiny_transformer_tied", "mlp_regression", "branchy_lm"])
+def test_verify_our_models(ranks2, subject):
+    verify_model(SUBJECTS + subject, world_size=2, examples=12, pool=ranks2, shrink_budget_s=30)
+
+
+# ------------------------------------------------------------------ reproductions and the CLI
+
+def test_a_reproduction_runs_under_torchrun(tmp_path):
+    """A rendered program is a real script: clean it runs, with an injected bug it fails the same way."""
+    ops = (Forward(0, 0, "train"), Loss(0, 0, 0, 0), Backward(0, True, True), Gathered("head", 1),
+           Backward(0, False, False), Step(), Drop(0, (0,)))
+    program = Program(Config(), ops)
+    runs = {}
+    for fault in (None, "release_before_last_holder"):
+        script = tmp_path / f"repro_{fault}.py"
+        script.write_text(render(program, SUBJECTS + "tiny_transformer_tied", per_rank=2, seed=0, fault=fault))
+        runs[fault] = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    clean, faulty = (runs[k].communicate(timeout=240)[0] for k in (None, "release_before_last_holder"))
+    assert runs[None].returncode == 0, clean[-3000:]
+    assert runs["release_before_last_holder"].returncode != 0
+    assert "IllegalTransition" in faulty
+
+
+def test_cli_verify(capsys):
+    assert cli.main(["verify", SUBJECTS + "tiny_transformer_tied", "--examples", "4", "--no-shrink",
+                     "--fault", "grads_summed_not_averaged"]) == 1
+    out, err = capsys.readouterr()
+    assert "rt = paramfsm.shard(model" in out and "# <- fails here" in out
+    assert err.startswith("paramfsm: error: reference check failed at op") and "Traceback" not in err
+    assert cli.main(["verify", "no_such_module:factory"]) == 2
+    assert "No module named" in capsys.readouterr().err
