@@ -26,7 +26,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from paramfsm import executor, graph_task, hooks
+from paramfsm import events, executor, graph_task, hooks
 from paramfsm.executor import Executor
 from paramfsm.scheduler import Scheduler
 from paramfsm.spec import State
@@ -180,7 +180,7 @@ def _final_callback_once_per_process():
 
 
 def _retained_graph_drop_not_returned():
-    return _patched(hooks.ForwardCall, "__del__", lambda original: lambda self: None)
+    return _patched(events.ForwardCall, "__del__", lambda original: lambda self: None)
 
 
 def _recompute_not_gathered():

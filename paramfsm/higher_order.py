@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from paramfsm import graph_task as gt
-from paramfsm.scheduler import PRE_BACKWARD, Event
+from paramfsm.events import PRE_BACKWARD, Event
 
 
 class SecondOrderEntry(torch.autograd.Function):

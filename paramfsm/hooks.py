@@ -38,29 +38,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from paramfsm import graph_task as gt
 from paramfsm import higher_order
-from paramfsm.scheduler import (
-    FORWARD_BEGIN, FORWARD_END, GRAD_READY, GRAPH_FREED, POST_BACKWARD, POST_FORWARD,
-    PRE_BACKWARD, PRE_FORWARD, Event,
+from paramfsm.events import (
+    FORWARD_BEGIN, FORWARD_END, GRAD_READY, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD,
+    Event, ForwardCall,
 )
-
-
-class ForwardCall:
-    """One forward call of a unit whose outputs joined an autograd graph.
-
-    It is referenced only by the gradient hooks on those outputs (and the
-    post-backward node), so it lives exactly as long as the graph does.
-    """
-
-    __slots__ = ("unit", "emit")
-
-    def __init__(self, unit, emit):
-        self.unit, self.emit = unit, emit
-
-    def __del__(self):
-        try:
-            self.emit(Event(GRAPH_FREED, self.unit))
-        except Exception:  # noqa: BLE001 - a finaliser must not raise (e.g. at interpreter exit)
-            pass
 
 
 class _PostBackward(torch.autograd.Function):

@@ -46,48 +46,16 @@ from collections import deque
 
 from paramfsm import graph_task as gt
 from paramfsm.audit import audit_leaks
+from paramfsm.events import (
+    BACKWARD_END, FLUSH, FORWARD_BEGIN, FORWARD_END, GRAD_READY, GRAPH_FREED, POST_BACKWARD,
+    POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event, ForwardCall, TaskState,
+)
 from paramfsm.fsm import StepContext, step
 from paramfsm.machine import CrossCheckedStep
 from paramfsm.plan import PassState, Plan
 from paramfsm.spec import State
 
 log = logging.getLogger(__name__)
-
-FORWARD_BEGIN, FORWARD_END = "forward_begin", "forward_end"
-PRE_FORWARD, POST_FORWARD = "pre_forward", "post_forward"
-PRE_BACKWARD, POST_BACKWARD = "pre_backward", "post_backward"
-GRAD_READY, BACKWARD_END, GRAPH_FREED = "grad_ready", "backward_end", "graph_freed"
-FLUSH = "flush"
-
-
-class Event:
-    """What a hook saw: its kind, the unit (or record), the graph task and whether it keeps its graph."""
-
-    __slots__ = ("kind", "unit", "graph_task", "keep_graph", "record", "call")
-
-    def __init__(self, kind, unit=None, graph_task=gt.NO_TASK, keep_graph=False, record=None, call=None):
-        self.kind, self.unit, self.graph_task, self.keep_graph = kind, unit, graph_task, keep_graph
-        self.record, self.call = record, call
-
-    def __repr__(self) -> str:
-        target = self.unit.name if self.unit is not None else getattr(self.record, "name", "")
-        return f"<Event {self.kind} {target} task={self.graph_task} keep_graph={self.keep_graph}>"
-
-
-class TaskState:
-    """Bookkeeping of one running backward graph task."""
-
-    __slots__ = ("task", "keep_graph", "depth", "open", "recomputing", "redefer", "seen", "passes", "grad_holds")
-
-    def __init__(self, task: int, keep_graph: bool, depth: int):
-        self.task, self.keep_graph, self.depth = task, keep_graph, depth
-        self.open: dict = {}  # unit -> pre-backward fetches not yet released
-        self.recomputing: dict = {}  # unit -> forwards recomputed in this task, not yet ended
-        self.redefer: set = set()  # units a recomputation found deferred (released back to deferral)
-        self.seen: set = set()  # forward calls whose pre-backward already ran in this task
-        self.passes = PassState()
-        self.grad_holds: dict = {}  # record -> None: parameters whose gradient is still to come
-
 
 class Scheduler:
     """Applies events to parameter lifetimes; see the module docstring."""
@@ -105,6 +73,7 @@ class Scheduler:
         self.deferred_bytes = 0
         self.peak_deferred_bytes = 0
         self.tasks: dict[int, TaskState] = {}
+        self._consumed: set[int] = set()  # ids of live forward calls a non-retained backward consumed
         self.forward = PassState()
         self.forward_open = False
         self.fwd_plan = Plan((), units, bucket_bytes)
@@ -347,11 +316,24 @@ class Scheduler:
         if ts.depth == 0:
             self._abandon(self.bwd_plan, ts.passes)
             self.bwd_plan = self.bwd_plan.updated(ts.passes.order)
+        if not ts.keep_graph:
+            self._consume(ts)
         if not self.tasks and not ts.keep_graph:
             self.flush()
             self.last_audit = audit_leaks(self, strict=self.strict)
 
+    def _consume(self, ts: TaskState) -> None:
+        """A backward that did not keep its graph freed the saved tensors of every forward call it
+        reached: those calls can retain nothing any more, even while the user holds their outputs."""
+        for call in ts.seen:
+            if type(call) is ForwardCall and id(call) not in self._consumed:
+                self._consumed.add(id(call))
+                call.unit.live_graphs -= 1
+
     def _on_graph_freed(self, ev: Event) -> None:
+        if ev.call in self._consumed:
+            self._consumed.discard(ev.call)  # already counted out when its graph was consumed
+            return
         unit = ev.unit
         unit.live_graphs -= 1
         if unit.live_graphs > 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paramfsm import executor, faults, graph_task, hooks
+from paramfsm import events, executor, faults, graph_task, hooks
 from paramfsm.executor import Executor
 from paramfsm.scheduler import Scheduler
 from paramfsm.testing.mutants import format_table, main, run_catalogue
@@ -25,7 +25,7 @@ def test_the_catalogue():
 def _patchable():
     return ({name: getattr(Scheduler, name) for name in dir(Scheduler) if not name.startswith("__")},
             {name: getattr(Executor, name) for name in dir(Executor) if not name.startswith("__")},
-            hooks._post_forward, hooks.ForwardCall.__del__, graph_task.queue_final_callback,
+            hooks._post_forward, events.ForwardCall.__del__, graph_task.queue_final_callback,
             executor.reduce_scatter_flat)
 
 

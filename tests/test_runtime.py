@@ -183,3 +183,32 @@ def test_shard_requires_initialised_distributed():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(paramfsm.ParamFSMError, match="init_process_group"):
         paramfsm.shard(torch.nn.Linear(2, 2))
+
+
+def consumed_graph_job(rank, world):
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=VOCAB, dim=16, depth=2, seq=SEQ)
+    ref = Reference(model)
+    rt = paramfsm.shard(model, trace=True, strict=True)
+    tokens, targets = _batch(0, world)
+    local = rank_slice(tokens, rank, world), rank_slice(targets, rank, world)
+    history = []  # a loss history keeps the first (consumed) graph's outputs alive
+    out0 = model(local[0])
+    history.append(_losses(out0, local[1], 1)[0])
+    history[-1].backward()
+    out1 = model(local[0])
+    loss1 = _losses(out1, local[1], 1)[0]
+    for shard in rt.shard_parameters():
+        shard.grad = None
+    loss1.backward(retain_graph=True)
+    ref_loss = _losses(ref.model(tokens), targets, 1)[0]
+    ref_loss.backward()
+    assert_close_dicts(sharded_grads(rt, model), ref.grads(), atol=1e-6)
+    held = rt.deferred_bytes
+    del out1, loss1
+    return held, rt.deferred_bytes, set(rt.states().values())
+
+
+def test_dropped_retained_graph_returns_memory_while_a_consumed_graph_lives(ranks2):
+    held, after, states = ranks2.run(consumed_graph_job)[0]
+    assert held > 0 and after == 0 and states == {State.NOT_AVAILABLE}

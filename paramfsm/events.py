@@ -1,0 +1,65 @@
+"""The vocabulary between hooks and the scheduler: event kinds, events, graph tokens, task state.
+
+Hooks create :class:`Event` objects and hand them to ``Scheduler.emit``; they
+decide nothing. This module has no behaviour of its own, so both sides can
+import it without importing each other.
+"""
+
+from __future__ import annotations
+
+from paramfsm import graph_task as gt
+from paramfsm.plan import PassState
+
+FORWARD_BEGIN, FORWARD_END = "forward_begin", "forward_end"
+PRE_FORWARD, POST_FORWARD = "pre_forward", "post_forward"
+PRE_BACKWARD, POST_BACKWARD = "pre_backward", "post_backward"
+GRAD_READY, BACKWARD_END, GRAPH_FREED = "grad_ready", "backward_end", "graph_freed"
+FLUSH = "flush"
+
+
+class Event:
+    """What a hook saw: its kind, the unit (or record), the graph task and whether it keeps its graph."""
+
+    __slots__ = ("kind", "unit", "graph_task", "keep_graph", "record", "call")
+
+    def __init__(self, kind, unit=None, graph_task=gt.NO_TASK, keep_graph=False, record=None, call=None):
+        self.kind, self.unit, self.graph_task, self.keep_graph = kind, unit, graph_task, keep_graph
+        self.record, self.call = record, call
+
+    def __repr__(self) -> str:
+        target = self.unit.name if self.unit is not None else getattr(self.record, "name", "")
+        return f"<Event {self.kind} {target} task={self.graph_task} keep_graph={self.keep_graph}>"
+
+
+class TaskState:
+    """Bookkeeping of one running backward graph task."""
+
+    __slots__ = ("task", "keep_graph", "depth", "open", "recomputing", "redefer", "seen", "passes", "grad_holds")
+
+    def __init__(self, task: int, keep_graph: bool, depth: int):
+        self.task, self.keep_graph, self.depth = task, keep_graph, depth
+        self.open: dict = {}  # unit -> pre-backward fetches not yet released
+        self.recomputing: dict = {}  # unit -> forwards recomputed in this task, not yet ended
+        self.redefer: set = set()  # units a recomputation found deferred (released back to deferral)
+        self.seen: set = set()  # forward calls whose pre-backward already ran in this task
+        self.passes = PassState()
+        self.grad_holds: dict = {}  # record -> None: parameters whose gradient is still to come
+
+
+class ForwardCall:
+    """One forward call of a unit whose outputs joined an autograd graph.
+
+    It is referenced only by the gradient hooks on those outputs (and the
+    post-backward node), so it lives exactly as long as the graph does.
+    """
+
+    __slots__ = ("unit", "emit")
+
+    def __init__(self, unit, emit):
+        self.unit, self.emit = unit, emit
+
+    def __del__(self):
+        try:
+            self.emit(Event(GRAPH_FREED, self.unit, call=id(self)))
+        except Exception:  # noqa: BLE001 - a finaliser must not raise (e.g. at interpreter exit)
+            pass
