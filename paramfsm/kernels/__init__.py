@@ -92,12 +92,24 @@ def unpack_to_views(gathered: Tensor, layout: ShardLayout, shapes: Sequence[torc
     """
     dtype = dtype or gathered.dtype
     flat = torch.empty(sum(layout.numels), dtype=dtype, device=gathered.device)
-    views = [piece.view(shape) for piece, shape in zip(torch.split_with_sizes(flat, layout.numels), shapes)]
+    views, offset = [], 0
+    for numel, shape in zip(layout.numels, shapes):
+        views.append(flat.as_strided(shape, _contiguous_strides(shape), offset))
+        offset += numel
     if not gathered.is_cuda and len(shapes) >= torch_impl.MANY_PARAMS:
         torch_impl.unpack_gathered_flat(gathered, layout, flat)
     else:
         unpack_gathered(gathered, views, layout.shard_numels, layout.world)
     return views
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def pack_grads(
