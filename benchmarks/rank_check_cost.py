@@ -3,7 +3,9 @@
 Three settings of the check on the same model and loop: off, the default
 in-bucket tag, and the ``debug=True`` header all-gather before every
 collective. Two bucket sizes: the default (few large collectives) and
-``bucket_bytes=0`` (one collective per unit: the worst case for a per-collective check).
+``bucket_bytes=0`` (one all-gather per unit and one reduce-scatter per
+parameter: the worst case for a per-collective check). The timed loop is
+:func:`step_overhead.time_steps`.
 
     python benchmarks/rank_check_cost.py [--steps 40] [--warmup 5]
 """
@@ -11,15 +13,14 @@ collective. Two bucket sizes: the default (few large collectives) and
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from torch import nn
 
 from paramfsm.launch import RankPool
+from step_overhead import time_steps  # benchmarks/ is on sys.path when this file runs as a script
 
-DEPTH, WIDTH, BATCH = 64, 64, 32
+DEPTH, WIDTH = 64, 64
 
 
 def job(rank, world, mode, bucket_bytes, steps, warmup):
@@ -29,20 +30,11 @@ def job(rank, world, mode, bucket_bytes, steps, warmup):
     model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)))
     rt = paramfsm.shard(model, bucket_bytes=bucket_bytes, debug=mode == "header")
     rt.executor.rank_check = {"off": None, "tag": "tag", "header": "header"}[mode]
-    opt = torch.optim.SGD(rt.shard_parameters(), lr=1e-3)
-    x = torch.randn(BATCH, WIDTH)
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        model(x).pow(2).mean().backward()
-        opt.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+    seconds = time_steps(model, rt.shard_parameters(), steps, warmup, WIDTH)
     counts = rt.counters
     rt.close()
     passes = warmup + steps
-    return statistics.median(times), counts["all_gathers"] // passes, counts["reduce_scatters"] // passes
+    return seconds, counts["all_gathers"] // passes, counts["reduce_scatters"] // passes
 
 
 def main() -> None:

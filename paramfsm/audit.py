@@ -61,7 +61,9 @@ def audit_leaks(scheduler, strict: bool = False) -> list[Leak]:
     if leaks:
         message = f"paramfsm leak audit on rank {scheduler.ctx.rank}, step {scheduler.ctx.step}: " + \
             f"{len(leaks)} parameter(s) still gathered after the final backward:\n  " + \
-            "\n  ".join(str(leak) for leak in leaks)
+            "\n  ".join(str(leak) for leak in leaks) + \
+            "\nWhat to do: re-run with paramfsm.shard(..., trace=True), dump rt.trace and run " \
+            "`paramfsm trace summary` on it to see each leaked parameter's last records."
         if strict:
             raise LeakError(message)
         log.warning(message)

@@ -114,7 +114,7 @@ def _optim_names(rt, optimizer) -> dict[int, str]:
     return names
 
 
-def _init_optim_state(rt, optimizer) -> None:
+def _init_optim_state(optimizer) -> None:
     """Create the optimizer's state tensors (one zero-gradient step that leaves shards unchanged)."""
     shards = [p for group in optimizer.param_groups for p in group["params"]]
     if all(optimizer.state.get(p) for p in shards):
@@ -152,7 +152,7 @@ def sharded_optim_state_dict(rt, optimizer) -> dict:
 
 def load_sharded_optim_state_dict(rt, optimizer, state_dict) -> None:
     """Load an optimizer state saved by :func:`sharded_optim_state_dict` (at any world size)."""
-    _init_optim_state(rt, optimizer)
+    _init_optim_state(optimizer)
     own = sharded_optim_state_dict(rt, optimizer)
     recs = _optim_names(rt, optimizer)
     with torch.no_grad():
@@ -187,7 +187,7 @@ def load(rt, path, optimizer=None) -> None:
     _require_idle(rt, "load a sharded checkpoint")
     state = sharded_state_dict(rt)
     if optimizer is not None:
-        _init_optim_state(rt, optimizer)
+        _init_optim_state(optimizer)
         state.update(sharded_optim_state_dict(rt, optimizer))
     dcp.load(state, checkpoint_id=str(path), process_group=rt.group)
     load_sharded_state_dict(rt, state)

@@ -62,8 +62,8 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: b
     return _REDUCE_SCATTER(out, inp, group=group, async_op=async_op)
 
 
-def all_gather_object_tags(tag: torch.Tensor, world: int, group) -> torch.Tensor:
-    """All-gather a small int64 tag vector (used by the rank-order check)."""
+def all_gather_tags(tag: torch.Tensor, world: int, group) -> torch.Tensor:
+    """All-gather a small 1-D tag vector, blocking; one row per rank (the rank-order check's header)."""
     out = torch.empty(world * tag.numel(), dtype=tag.dtype, device=tag.device)
     _ALL_GATHER(out, tag, group=group, async_op=False)
     return out.view(world, -1)

@@ -2,7 +2,7 @@
 
 All derive from :class:`ParamFSMError` so a training loop can catch the family.
 The constructors take the facts as keyword arguments and keep them as
-attributes, so tests and tools read the facts instead of parsing messages.
+attributes, so tests and the command line read the facts instead of parsing messages.
 """
 
 from __future__ import annotations

@@ -34,10 +34,11 @@ class Event:
 class TaskState:
     """Bookkeeping of one running backward graph task."""
 
-    __slots__ = ("task", "keep_graph", "depth", "open", "recomputing", "redefer", "seen", "passes", "grad_holds")
+    __slots__ = ("keep_graph", "depth", "open", "recomputing", "redefer", "seen", "passes", "grad_holds")
 
-    def __init__(self, task: int, keep_graph: bool, depth: int):
-        self.task, self.keep_graph, self.depth = task, keep_graph, depth
+    def __init__(self, keep_graph: bool, depth: int):
+        self.keep_graph = keep_graph
+        self.depth = depth  # tasks already running when this one began (0: not nested)
         self.open: dict = {}  # unit -> pre-backward fetches not yet released
         self.recomputing: dict = {}  # unit -> forwards recomputed in this task, not yet ended
         self.redefer: set = set()  # units a recomputation found deferred (released back to deferral)

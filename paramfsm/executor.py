@@ -3,13 +3,14 @@
 It owns buffers and collectives, never states: it is handed parameter records
 and acts on their tensors (``param.data``, the shard, staged / pending
 buffers). Effects of one scheduler decision are merged into one bucket:
-one all-gather for every parameter that must be gathered together, one
-reduce-scatter for every gradient bucket.
+one all-gather for every parameter that must be gathered together (one per
+dtype when a bucket mixes parameter dtypes), one reduce-scatter for every
+gradient bucket.
 
 [Note: gather = issue, then wait, then install]
 ``start_gather`` packs the shards and issues an async all-gather (INFLIGHT).
-``wait_gather`` waits for it and unpacks the whole bucket into freshly
-allocated full tensors, staging them on the records. The ``unpack`` effect
+``wait_gather`` waits for it and unpacks the whole bucket into full tensors
+(see [Note: persistent full storage]), staging them on the records. The ``unpack`` effect
 (on the ``arrive`` transition) installs a staged tensor as ``param.data``.
 Splitting wait from install lets one wait complete a bucket that spans
 several units while each parameter still moves through the FSM on its own.
@@ -18,21 +19,21 @@ several units while each parameter still moves through the FSM on its own.
 ``reduce_grad`` takes ``param.grad`` (accumulated by autograd for the current
 graph task) into the pending reduce bucket and clears it, so the full gradient
 never outlives the hook. Buckets are reduce-scattered asynchronously once they
-pass ``bucket_bytes``; ``finish_reduces`` (end of backward) waits for all of
-them and adds ``1/world`` of each summed shard into ``shard.grad``, so shard
-gradients accumulate across backward passes until the user zeroes them.
+pass ``bucket_bytes``, with at most ``MAX_REDUCES_IN_FLIGHT`` in flight (the
+oldest is completed when another is issued); ``finish_reduces`` (end of
+backward) completes the rest. Completing one adds ``1/world`` of each summed
+shard into ``shard.grad``, so shard gradients accumulate across backward
+passes until the user zeroes them.
 """
 
 from __future__ import annotations
 
-import logging
+import functools
 
 import torch
 
 from paramfsm import kernels, placeholder, rankcheck
 from paramfsm.collectives import all_gather_flat, reduce_scatter_flat
-
-log = logging.getLogger(__name__)
 
 
 #: Reduce-scatters issued and not yet waited on, at most (each holds a full-size gradient bucket).
@@ -101,9 +102,23 @@ class Executor:
         self.unit_names: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ gather
-    def start_gather(self, records) -> Gather:
-        """Pack the shards of ``records`` and issue one async all-gather (the start_gather effect)."""
+    def start_gather(self, records) -> None:
+        """Pack the shards of ``records`` and issue one async all-gather (the start_gather effect).
+
+        Without ``param_dtype``, a bucket whose parameters have different dtypes
+        is gathered as one all-gather per dtype, so each parameter comes back in
+        its own dtype (the order of the groups is the same on every rank).
+        """
         dtype = self.param_dtype
+        if dtype is None and self.world > 1:
+            first_dtype = records[0].shard.dtype
+            if any(r.shard.dtype != first_dtype for r in records):
+                by_dtype: dict = {}
+                for rec in records:
+                    by_dtype.setdefault(rec.shard.dtype, []).append(rec)
+                for group in by_dtype.values():
+                    self.start_gather(tuple(group))
+                return
         if self.world == 1:
             for rec in records:
                 rec.staged = self._local_full(rec, dtype)
@@ -133,7 +148,6 @@ class Executor:
             self.counters.gathered_bytes += recv.numel() * recv.element_size()
         for rec in records:
             rec.pending = gather
-        return gather
 
     def _tag_fields(self, records) -> tuple[int, ...]:
         """(gather number, step, unit index, elements): the same on every rank running the same program."""
@@ -239,7 +253,7 @@ class Executor:
         if grad.requires_grad:
             grad = grad.detach()
         if self.world == 1:
-            self._accumulate(rec, grad.reshape(-1), owned=True)
+            self._accumulate(rec, grad.reshape(-1))
             return
         self._grads.append((rec, grad))
         self._grad_bytes += grad.numel() * grad.element_size()
@@ -254,6 +268,8 @@ class Executor:
         records = [rec for rec, _ in pending]
         grads = [g for _, g in pending]
         dtype = self.reduce_dtype or grads[0].dtype
+        if self.reduce_dtype is None and any(g.dtype != dtype for g in grads):
+            dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))  # mixed: lose no precision
         layout = kernels.shard_layout(tuple(r.numel for r in records), self.world)
         if self.rank_check == "header":
             step = self.ctx.step if self.ctx is not None else 0
@@ -283,10 +299,8 @@ class Executor:
     def _complete(self, reduce) -> None:
         work, out, records, layout = reduce
         work.wait()
-        # ``out`` is fresh for every reduce and referenced nowhere else, so its
-        # pieces can become shard gradients without a copy.
         for rec, piece in zip(records, out.split(layout.shard_numels)):
-            self._accumulate(rec, piece, owned=True)
+            self._accumulate(rec, piece)
 
     def abort_reduces(self) -> None:
         """Drop the gradients of an interrupted backward: nothing of it reaches the shard gradients.
@@ -301,21 +315,18 @@ class Executor:
         for work, *_ in reduces:
             work.wait()
 
-    @property
-    def reduces_pending(self) -> bool:
-        return bool(self._grads or self._reduces)
-
     @staticmethod
-    def _accumulate(rec, flat_grad, owned: bool) -> None:
+    def _accumulate(rec, flat_grad) -> None:
         """Add a reduced gradient shard into ``shard.grad`` (created on first use).
 
-        ``owned`` says ``flat_grad`` is referenced nowhere else (a one-rank
-        gradient taken from autograd), so it can become ``shard.grad`` as is.
+        ``flat_grad`` is referenced nowhere else (a piece of a fresh reduce-scatter
+        output, or a one-rank gradient taken from autograd), so it becomes
+        ``shard.grad`` as is, without a copy.
         """
         shard = rec.shard
         if flat_grad.dtype != shard.dtype:
-            flat_grad, owned = flat_grad.to(shard.dtype), True
+            flat_grad = flat_grad.to(shard.dtype)
         if shard.grad is None:
-            shard.grad = flat_grad if owned else flat_grad.clone()
+            shard.grad = flat_grad
         else:
             shard.grad.add_(flat_grad)

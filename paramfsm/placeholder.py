@@ -88,10 +88,6 @@ def reveal(param: torch.Tensor) -> None:
         param.__class__ = plain
 
 
-def is_concealed(param: torch.Tensor) -> bool:
-    return param.__class__ in _PLAIN
-
-
 def _guard_class(cls: type) -> type:
     guard = type(f"NotGathered{cls.__name__[0].upper()}{cls.__name__[1:]}", (cls,), {
         "__torch_function__": classmethod(_torch_function),

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from paramfsm.collectives import all_gather_object_tags
+from paramfsm.collectives import all_gather_tags
 from paramfsm.errors import RankDesync
 
 TAG_FIELDS = ("gather", "step", "unit", "elements")
@@ -62,7 +62,7 @@ def check_encoded(rows: torch.Tensor, rank: int, unit_names) -> None:
 def check_header(fields: tuple[int, ...], rank: int, world: int, group, unit_names, what: str) -> None:
     """The ``debug=True`` check: all-gather the tag alone (fixed size) before the collective ``what``."""
     header = torch.tensor([f & 0xFFFFFFFF for f in fields], dtype=torch.int64)
-    rows = all_gather_object_tags(header, world, group)
+    rows = all_gather_tags(header, world, group)
     if bool((rows == rows[:1]).all()):
         return
     _raise([tuple(int(v) for v in row) for row in rows], rank, unit_names, what)

@@ -9,7 +9,6 @@ gathered access, and close.
 from __future__ import annotations
 
 import contextlib
-import logging
 from functools import partial
 from typing import Iterator
 
@@ -28,8 +27,6 @@ from paramfsm.spec import State, load_spec
 from paramfsm.trace import Trace
 from paramfsm.units import ParamRecord, build_units
 
-log = logging.getLogger(__name__)
-
 RETAIN_POLICIES = ("defer", "regather")
 _SHARDED: "dict[int, Runtime]" = {}
 
@@ -46,7 +43,9 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     deferred memory. ``prefetch``: buckets gathered ahead of use.
     ``bucket_bytes``: consecutive units are gathered (and gradients
     reduce-scattered) together up to this many bytes. ``spec``: a path to an
-    alternative lifetime spec. ``strict``: leaks raise instead of logging.
+    alternative lifetime spec. ``strict``: cross-check every transition against
+    the spec's ``transitions`` Machine (microseconds per step) and raise on leaks
+    instead of logging them.
     ``param_dtype``: gather and compute in this dtype (e.g. ``torch.bfloat16``)
     while shards, gradients and the optimizer stay in the parameters' dtype;
     floating-point inputs of the root forward are cast to it. ``reduce_dtype``:

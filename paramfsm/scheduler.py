@@ -57,6 +57,7 @@ from paramfsm.spec import State
 
 log = logging.getLogger(__name__)
 
+
 class Scheduler:
     """Applies events to parameter lifetimes; see the module docstring."""
 
@@ -80,7 +81,6 @@ class Scheduler:
         self.bwd_plan = Plan((), units, bucket_bytes)
         # One rank gathers nothing over the wire: buckets and prefetch would only add steps.
         self.planning = executor.world > 1
-        self.bucket_bytes = bucket_bytes
         self.held_outside: dict = {}  # unit -> holds taken by rt.gathered
         self.tasks_begun = 0
         self.last_audit: list = []
@@ -347,16 +347,19 @@ class Scheduler:
     def _begin_task(self, task: int, keep_graph: bool) -> TaskState:
         ts = self.tasks.get(task)
         if ts is None:
-            ts = self.tasks[task] = TaskState(task, keep_graph, len(self.tasks))
+            ts = self.tasks[task] = TaskState(keep_graph, len(self.tasks))
             self.tasks_begun += 1
             emit = self.emit
             gt.queue_final_callback(lambda: emit(Event(BACKWARD_END, graph_task=task)))
         return ts
 
-    # ---------------------------------------------------------------- public helpers
+    # ---------------------------------------------------------------- called by the runtime
     def hold(self, unit) -> None:
-        """Fetch a unit for use outside forward/backward (rt.gathered); deferred copies may be stale
-        after an optimizer step, so they are flushed first (see [Note: flushing ... at a new forward])."""
+        """Fetch a unit for use outside forward/backward (rt.gathered).
+
+        Deferred copies may be stale after an optimizer step, so they are
+        flushed first (see [Note: flushing deferred parameters at a new forward]).
+        """
         self.held_outside[unit] = self.held_outside.get(unit, 0) + 1
         for rec in unit.records:
             if rec.state is State.DEFERRED_RELEASE:

@@ -99,10 +99,6 @@ class Rule:
         """Whether every guard of this row holds for the extended state."""
         return all(GUARDS[name](holds, keep_graph, retained) != negated for name, negated in self.when)
 
-    @property
-    def guard_text(self) -> str:
-        return " and ".join(("not " if neg else "") + name for name, neg in self.when)
-
 
 @attrs.frozen(slots=True)
 class Spec:

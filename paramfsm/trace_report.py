@@ -1,4 +1,4 @@
-"""Read a trace the way a person debugging memory or a hang wants to: totals, windows, leaks, divergence.
+"""Read a trace for debugging memory or a hang: totals per state, deferred windows, leaks, divergence.
 
 :func:`summarize` turns a list of :class:`~paramfsm.trace.TraceRecord` into a
 :class:`Summary` (time per state, gathers, deferred windows, graph tasks,

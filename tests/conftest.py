@@ -9,7 +9,7 @@ from paramfsm.launch import RankPool
 
 @pytest.fixture(scope="session")
 def ranks2():
-    """Two gloo ranks on 127.0.0.1, shared by every test of the session."""
+    """Two gloo ranks on 127.0.0.1, shared by every test of the run."""
     with RankPool(2, timeout=180) as pool:
         yield pool
 

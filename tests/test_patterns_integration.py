@@ -1,9 +1,10 @@
 """What a training script plugs into paramfsm, on gloo ranks, compared with plain torch.
 
 torch.optim optimizers on the shards, gradient clipping over shards, mixed
-precision (bf16 gathers and compute, fp32 shards and optimizer), full state
-dicts loadable without paramfsm, sharded DCP checkpoints reloaded at another
-world size (2 -> 3 -> 1), and ``rt.close()``.
+precision (bf16 gathers and compute, fp32 shards and optimizer), parameters
+of different dtypes in one bucket, full state dicts loadable without
+paramfsm, sharded DCP checkpoints reloaded at another world size
+(2 -> 3 -> 1), and ``rt.close()``.
 """
 
 from __future__ import annotations
@@ -141,6 +142,32 @@ def mixed_precision_job(rank, world, reduce_dtype):
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, None], ids=["reduce_fp32", "reduce_bf16"])
 def test_mixed_precision_bf16(ranks2, reduce_dtype):
     assert ranks2.run(mixed_precision_job, reduce_dtype)[0] > 0
+
+
+class _ToFloat(nn.Module):
+    def forward(self, x):
+        return x.float()
+
+
+def mixed_dtypes_job(rank, world, one_unit):
+    """fp64 and fp32 parameters in one gather bucket (or one unit) are gathered and reduced in their own dtypes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8).double(), _ToFloat(), nn.Linear(8, 3))
+    pair = Pair(model, rank, world, units=(lambda name, module: False) if one_unit else None)
+    for step in range(3):
+        x, = batch(step, world, 2, (4,))
+        pair.zero_grad()
+        pair.model(pair.local(x.double())).pow(2).mean().backward()
+        pair.ref.model(x.double()).pow(2).mean().backward()
+        pair.check_grads(f"step {step}")
+        pair.step(f"step {step}")
+    assert [s.dtype for s in pair.rt.shard_parameters()] == [torch.float64] * 2 + [torch.float32] * 2
+    return pair.finish()
+
+
+@pytest.mark.parametrize("one_unit", [False, True], ids=["bucketed_units", "one_unit"])
+def test_parameters_of_different_dtypes(ranks2, one_unit):
+    assert ranks2.run(mixed_dtypes_job, one_unit)[0]["checks"] == 6
 
 
 def state_dict_and_close_job(rank, world):

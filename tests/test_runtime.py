@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import paramfsm
 from paramfsm import State
 from paramfsm.fsm import default_table
-from paramfsm.testing import Reference, assert_close_dicts, global_batch, rank_slice, sharded_grads, sharded_params
+from paramfsm.testing import Reference, assert_close_dicts, rank_slice, sharded_grads, sharded_params
 from paramfsm.testing.models import TinyTransformer
 from paramfsm.trace import replay
 

@@ -84,14 +84,13 @@ def unpack_gathered(
         torch_impl.unpack_gathered(gathered, outs, shard_numels, world)
 
 
-def unpack_to_views(gathered: Tensor, layout: ShardLayout, shapes: Sequence[torch.Size], dtype=None) -> list[Tensor]:
+def unpack_to_views(gathered: Tensor, layout: ShardLayout, shapes: Sequence[torch.Size]) -> list[Tensor]:
     """Unpack a gathered bucket into ONE new buffer and return each parameter's full tensor as a view.
 
     One allocation per bucket instead of one per parameter. On the CPU, a
     bucket of many parameters is unpacked by a single ``index_select``.
     """
-    dtype = dtype or gathered.dtype
-    flat = torch.empty(sum(layout.numels), dtype=dtype, device=gathered.device)
+    flat = torch.empty(sum(layout.numels), dtype=gathered.dtype, device=gathered.device)
     views, offset = [], 0
     for numel, shape in zip(layout.numels, shapes):
         views.append(flat.as_strided(shape, _contiguous_strides(shape), offset))

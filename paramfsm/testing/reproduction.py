@@ -2,7 +2,7 @@
 
 :func:`render` writes the preamble (process group, the subject from its
 factory, ``paramfsm.shard`` with the program's configuration, the optimizer,
-a ``batch(i)`` helper that gives each rank its share of global batch ``i``)
+a ``batch(i)`` function that gives each rank its share of global batch ``i``)
 and then one or a few lines of plain PyTorch and public paramfsm API per op.
 The failing op is marked with ``# <- fails here``; the failure is quoted in
 the docstring. Run the script with ``torchrun --nproc-per-node WORLD``.
