@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 from torch.utils._pytree import tree_map
 
 from paramfsm import checkpoint, grad_norm, hooks, placeholder
@@ -28,7 +29,10 @@ from paramfsm.trace import Trace
 from paramfsm.units import ParamRecord, build_units
 
 RETAIN_POLICIES = ("defer", "regather")
-_SHARDED: "dict[int, Runtime]" = {}
+# Weak registries (they never keep a model alive): sharded models, and each partitioned
+# parameter's owning model class, so sharding twice is refused with a clear message.
+_SHARDED = WeakIdKeyDictionary()
+_PARTITIONED = WeakIdKeyDictionary()
 
 
 def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
@@ -57,13 +61,13 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     """
     if retain not in RETAIN_POLICIES:
         raise ParamFSMError(f"retain={retain!r}: expected one of {RETAIN_POLICIES}")
-    if id(model) in _SHARDED:
+    if model in _SHARDED:
         raise ParamFSMError("this model is already sharded by paramfsm; call rt.close() before sharding it again")
     for name, param in model.named_parameters():
-        owner = next((rt for rt in _SHARDED.values() if id(param) in rt._by_id), None)
+        owner = _PARTITIONED.get(param)
         if owner is not None:
             raise ParamFSMError(f"parameter '{name}' is already partitioned by paramfsm (it belongs to a "
-                                f"sharded {type(owner.model).__name__}); shard the outermost model once, "
+                                f"sharded {owner}); shard the outermost model once, "
                                 "or call rt.close() on the other runtime first")
     if prefetch < 0:
         raise ParamFSMError(f"prefetch={prefetch}: must be >= 0")
@@ -99,7 +103,9 @@ class Runtime:
         if param_dtype is not None:
             self._handles.append(model.register_forward_pre_hook(
                 partial(_cast_inputs, param_dtype), with_kwargs=True))
-        _SHARDED[id(model)] = self
+        _SHARDED[model] = True
+        for rec in by_id.values():
+            _PARTITIONED[rec.param] = type(model).__name__
 
     # ------------------------------------------------------------------ lookup
     def record(self, param_or_name):
@@ -261,7 +267,9 @@ class Runtime:
             rec.param.data = fulls[id(rec)]
             if rec.shard.grad is not None:
                 rec.param.grad = self._gather_flat(rec.shard.grad, rec)
-        _SHARDED.pop(id(self.model), None)
+        _SHARDED.pop(self.model, None)
+        for rec in self._by_id.values():
+            _PARTITIONED.pop(rec.param, None)
         return self.model
 
 
