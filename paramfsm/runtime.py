@@ -253,6 +253,20 @@ class Runtime:
             for unit in chosen:
                 self.scheduler.unhold(unit)
 
+    def detach(self) -> None:
+        """Stop managing the model without any collective: remove every hook and forget it.
+
+        For error recovery when a peer rank failed and a collective could hang;
+        parameters stay as they are (their shards are lost). Prefer ``close()``.
+        """
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.scheduler.closed = True
+        _SHARDED.pop(self.model, None)
+        for rec in self._by_id.values():
+            _PARTITIONED.pop(rec.param, None)
+
     def close(self) -> nn.Module:
         """Restore plain full parameters in the model and remove every hook; returns the model."""
         if self.scheduler.closed:

@@ -312,12 +312,7 @@ class Run:
 
 def _abandon(rt) -> None:
     """Detach a runtime left mid-failure without any collective (its state may be inconsistent)."""
-    from paramfsm import runtime
-
-    for handle in rt._handles:
-        handle.remove()
-    rt.scheduler.closed = True
-    runtime._SHARDED.pop(id(rt.model), None)
+    rt.detach()
 
 
 def _agree(group, failed: bool) -> bool:
