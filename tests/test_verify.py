@@ -153,7 +153,7 @@ def test_gathered_after_a_step_sees_the_stepped_parameters(ranks2):
 
 def test_a_failure_shrinks_to_a_reproduction(ranks2):
     report = verify(SUBJECTS + "tiny_transformer_tied", examples=10, pool=ranks2, fault="tied_reduced_twice",
-                    shrink_budget_s=30, canonical_first=False)
+                    shrink_budget_s=120, canonical_first=False)
     finding = report.failure
     assert finding is not None and finding.kind == "reference"
     assert len(finding.program.ops) <= 4, finding.reproduction
