@@ -86,13 +86,15 @@ class Runtime:
         self.units, by_id = build_units(model, units, self.rank, self.world)
         self._by_id = by_id
         self._by_name = {name: rec for rec in by_id.values() for name in rec.names}
-        self.trace = Trace(self.rank) if trace else None
+        # Always a Trace (empty when tracing is off), so rt.trace.records / dump work either way;
+        # only a traced runtime hands it to the FSM, so an untraced one pays nothing per step.
+        self.trace = Trace(self.rank)
         self.executor = Executor(self.group, self.rank, self.world, param_dtype=param_dtype,
                                  reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
         self.scheduler = Scheduler(self.table, self.units, list(by_id.values()), self.executor,
                                    rank=self.rank, retain=retain, prefetch=prefetch,
                                    max_deferred_bytes=max_deferred_bytes, bucket_bytes=bucket_bytes,
-                                   trace=self.trace, strict=strict)
+                                   trace=self.trace if trace else None, strict=strict)
         self.executor.ctx, self.executor.unit_names = self.scheduler.ctx, tuple(u.name for u in self.units)
         if debug:
             self.executor.rank_check = "header"
