@@ -28,8 +28,8 @@ def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, group=No
     grads = [s.grad for s in shards if s.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     if norm_type == math.inf:
-        local = torch.stack([g.detach().abs().max().float() for g in grads if g.numel()]).max() \
-            if grads else torch.zeros((), device=device)
+        maxima = [g.detach().abs().max().float() for g in grads if g.numel()]
+        local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
         total = local.clone().reshape(1)
         if world > 1:
             all_reduce_max(total, group)
