@@ -92,7 +92,7 @@ def _once_per_forward_flag():
 
     def forward_begin(original):
         def _on_forward_begin(self, ev):
-            if graph_task.current_task() == graph_task.NO_TASK:
+            if ev.graph_task == graph_task.NO_TASK:
                 ran.clear()
             original(self, ev)
         return _on_forward_begin
@@ -186,13 +186,13 @@ def _retained_graph_drop_not_returned():
 def _recompute_not_gathered():
     def pre(original):
         def _on_pre_forward(self, ev):
-            if graph_task.current_task() == graph_task.NO_TASK:
+            if ev.graph_task == graph_task.NO_TASK:
                 original(self, ev)
         return _on_pre_forward
 
     def post(original):
         def _on_post_forward(self, ev):
-            if graph_task.current_task() == graph_task.NO_TASK:
+            if ev.graph_task == graph_task.NO_TASK:
                 original(self, ev)
         return _on_post_forward
 

@@ -87,7 +87,7 @@ def _route_inputs(emit, unit, tensors: list):
 
 
 def _pre_forward(emit, unit, module, args, kwargs):
-    emit(Event(PRE_FORWARD, unit))
+    emit(Event(PRE_FORWARD, unit, gt.current_task()))
     if not torch.is_grad_enabled():
         return None
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
@@ -128,7 +128,7 @@ def _post_forward(emit, unit, module, args, output):
             hook = partial(_on_output_grad, call)
             for node in nodes:
                 node.register_prehook(hook)
-    emit(Event(POST_FORWARD, unit, call=call))
+    emit(Event(POST_FORWARD, unit, gt.current_task(), call=call))
     return None
 
 
@@ -139,13 +139,15 @@ def _on_grad_accumulated(emit, record, param):
 def install(root: torch.nn.Module, units, records, emit) -> list:
     """Register every hook; returns the handles so ``rt.close()`` can remove them."""
     handles = [
-        root.register_forward_pre_hook(lambda module, args: emit(Event(FORWARD_BEGIN))),
+        root.register_forward_pre_hook(
+            lambda module, args: emit(Event(FORWARD_BEGIN, None, gt.current_task()))),
     ]
     for unit in units:
         handles.append(unit.module.register_forward_pre_hook(
             partial(_pre_forward, emit, unit), with_kwargs=True))
         handles.append(unit.module.register_forward_hook(partial(_post_forward, emit, unit)))
-    handles.append(root.register_forward_hook(lambda module, args, output: emit(Event(FORWARD_END))))
+    handles.append(root.register_forward_hook(
+        lambda module, args, output: emit(Event(FORWARD_END, None, gt.current_task()))))
     for rec in records:
         if rec.requires_grad:
             handles.append(rec.param.register_post_accumulate_grad_hook(

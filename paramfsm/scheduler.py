@@ -230,7 +230,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- handlers
     def _on_forward_begin(self, ev: Event) -> None:
-        if gt.current_task() != gt.NO_TASK:
+        if ev.graph_task != gt.NO_TASK:
             return  # a forward recomputed inside backward (activation checkpointing)
         if self.forward_open or self.tasks:
             self.recover("the previous forward or backward did not finish (an exception?)")
@@ -240,19 +240,18 @@ class Scheduler:
         self.forward_open = True
 
     def _on_forward_end(self, ev: Event) -> None:
-        if gt.current_task() != gt.NO_TASK or not self.forward_open:
+        if ev.graph_task != gt.NO_TASK or not self.forward_open:
             return
         self.forward_open = False
         self._abandon(self.fwd_plan, self.forward)
         self.fwd_plan = self.fwd_plan.updated(self.forward.order)
 
     def _on_pre_forward(self, ev: Event) -> None:
-        task = gt.current_task()
+        task = ev.graph_task
         if task == gt.NO_TASK:
             planned = self.forward_open and self.planning
             self.fetch(ev.unit, self.fwd_plan if planned else None, self.forward if planned else None)
         else:
-            self.ctx.graph_task = task  # traces attribute a recomputation to its backward
             ts = self._begin_task(task, gt.keeps_graph())
             ts.recomputing[ev.unit] = ts.recomputing.get(ev.unit, 0) + 1
             if self.defer_allowed and all(rec.state is State.DEFERRED_RELEASE for rec in ev.unit.records):
@@ -260,13 +259,12 @@ class Scheduler:
             self.fetch(ev.unit, None, None)
 
     def _on_post_forward(self, ev: Event) -> None:
-        task = gt.current_task()
+        task = ev.graph_task
         if ev.call is not None:
             ev.unit.live_graphs += 1
         if task == gt.NO_TASK:
             self.release(ev.unit, False)
             return
-        self.ctx.graph_task = task
         ts = self.tasks.get(task)
         if ts is not None and ts.recomputing.get(ev.unit, 0) > 0:
             ts.recomputing[ev.unit] -= 1
