@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import transitions  # noqa: E402
 
 from paramfsm import fsm  # noqa: E402
-from paramfsm.machine import build_machine  # noqa: E402
+from paramfsm.core.machine import build_machine  # noqa: E402
 
 CYCLE = (
     ("fetch", False, False), ("arrive", False, False), ("release", False, False),

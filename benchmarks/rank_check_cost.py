@@ -1,4 +1,4 @@
-"""Cost of the rank-order check (paramfsm.rankcheck): median time per training step, 2 gloo ranks.
+"""Cost of the rank-order check (paramfsm.engine.rankcheck): median time per training step, 2 gloo ranks.
 
 Three settings of the check on the same model and loop: off, the default
 in-bucket tag, and the ``debug=True`` header all-gather before every
@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 
 import torch
+from step_overhead import time_steps  # benchmarks/ is on sys.path when this file runs as a script
 from torch import nn
 
 from paramfsm.launch import RankPool
-from step_overhead import time_steps  # benchmarks/ is on sys.path when this file runs as a script
 
 DEPTH, WIDTH = 64, 64
 

@@ -3,12 +3,12 @@
 Every partitioned parameter is a finite state machine (NOT_AVAILABLE,
 INFLIGHT, AVAILABLE, DEFERRED_RELEASE) defined in ``specs/param_lifetime.toml``.
 Module and autograd hooks emit events, one scheduler applies them through
-:func:`paramfsm.fsm.step`, and an executor runs the effects (all-gather, free,
+:func:`paramfsm.core.fsm.step`, and an executor runs the effects (all-gather, free,
 reduce-scatter). See the README for the public contract.
 """
 
+from paramfsm.core.spec import State
 from paramfsm.errors import IllegalTransition, NotGathered, ParamFSMError, RankDesync, SpecError
-from paramfsm.spec import State
 
 __all__ = ["shard", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync",
            "NotGathered"]

@@ -31,8 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from paramfsm.core.spec import State
 from paramfsm.errors import ParamFSMError
-from paramfsm.spec import State
 
 OPTIM_PREFIX = "optim."
 

@@ -12,7 +12,7 @@ Usage (also ``python -m paramfsm``)::
 Each command group is added by a ``register(subparsers)`` function, and every
 leaf command stores its handler as ``func``; a handler takes the parsed
 arguments and returns the exit status. Optional groups live in their own
-modules and provide ``add_parser(subparsers)`` (``paramfsm.verify`` for
+modules and provide ``add_parser(subparsers)`` (``paramfsm.testing.verify_command`` for
 ``paramfsm verify``); they are imported only when the command line may name
 them, so the built-in commands never pay for their imports.
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 PROG = "paramfsm"
 #: Modules that add a command group with ``add_parser(subparsers)`` when they exist.
-OPTIONAL_COMMANDS = {"verify": "paramfsm.verify"}
+OPTIONAL_COMMANDS = {"verify": "paramfsm.testing.verify_command"}
 
 
 class CommandError(Exception):
@@ -83,7 +83,7 @@ def _spec_check(args) -> int:
 
 
 def _spec_draw(args) -> int:
-    from paramfsm.machine import draw_mermaid
+    from paramfsm.core.machine import draw_mermaid
 
     spec = _load_spec(args.file)
     text = draw_mermaid(spec)
@@ -100,7 +100,7 @@ def _spec_draw(args) -> int:
 
 
 def _load_spec(path: Path | None):
-    from paramfsm.spec import load_spec
+    from paramfsm.core.spec import load_spec
 
     try:
         return load_spec(path)
@@ -138,8 +138,8 @@ def register_trace(subparsers) -> None:
 
 
 def _trace_check(args) -> int:
-    from paramfsm.fsm import compile_table
-    from paramfsm.trace import replay
+    from paramfsm.core.fsm import compile_table
+    from paramfsm.core.trace import replay
 
     records = _load_trace(args.file)
     table = compile_table(_load_spec(args.spec))
@@ -151,14 +151,14 @@ def _trace_check(args) -> int:
 
 
 def _trace_summary(args) -> int:
-    from paramfsm.trace_report import summarize
+    from paramfsm.core.trace_report import summarize
 
     print(summarize(_load_trace(args.file)).format())
     return 0
 
 
 def _trace_export(args) -> int:
-    from paramfsm.trace import write_perfetto
+    from paramfsm.core.trace import write_perfetto
 
     records = _load_trace(args.file)
     try:
@@ -170,7 +170,7 @@ def _trace_export(args) -> int:
 
 
 def _trace_diff(args) -> int:
-    from paramfsm.trace_report import diff
+    from paramfsm.core.trace_report import diff
 
     a, b = _load_trace(args.a), _load_trace(args.b)
     divergence = diff(a, b)
@@ -181,7 +181,7 @@ def _trace_diff(args) -> int:
 
 
 def _load_trace(path: Path):
-    from paramfsm.trace import Trace
+    from paramfsm.core.trace import Trace
 
     try:
         return Trace.load(path).records

@@ -46,10 +46,10 @@ def _sequences(count: int, gen) -> torch.Tensor:
 def train(rank: int, world: int, steps: int, out: str) -> dict:
     """One rank's training loop; returns what rank 0 reports."""
     import paramfsm
-    from paramfsm.fsm import default_table
+    from paramfsm.core.fsm import default_table
+    from paramfsm.core.trace import replay
     from paramfsm.testing import Reference, assert_close_dicts, rank_slice, sharded_grads, sharded_params
     from paramfsm.testing.models import TinyTransformer
-    from paramfsm.trace import replay
 
     torch.manual_seed(0)
     model = TinyTransformer(vocab=VOCAB, dim=DIM, depth=DEPTH, seq=SEQ)

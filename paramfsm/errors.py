@@ -81,7 +81,7 @@ class NotGathered(ParamFSMError):
     """A partitioned parameter was used while only this rank's shard is present.
 
     Raised by the placeholder of a parameter that is NOT_AVAILABLE (see
-    :mod:`paramfsm.placeholder`) when an operation reads it outside its unit's
+    :mod:`paramfsm.engine.placeholder`) when an operation reads it outside its unit's
     forward or backward.
     """
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from paramfsm.collectives import all_reduce_max, all_reduce_sum
+from paramfsm.engine.collectives import all_reduce_max, all_reduce_sum
 from paramfsm.errors import ParamFSMError
 
 

@@ -14,19 +14,20 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import checkpoint, grad_norm, hooks, placeholder
-from paramfsm import graph_task as gt
-from paramfsm.collectives import all_gather_flat, resolve_group
+from paramfsm import checkpoint, grad_norm
+from paramfsm.core.fsm import compile_table, default_table
+from paramfsm.core.spec import State, load_spec
+from paramfsm.core.trace import Trace
+from paramfsm.engine import graph_task as gt
+from paramfsm.engine import hooks, placeholder
+from paramfsm.engine.collectives import all_gather_flat, resolve_group
+from paramfsm.engine.executor import Executor
+from paramfsm.engine.scheduler import Scheduler
+from paramfsm.engine.units import ParamRecord, build_units
 from paramfsm.errors import ParamFSMError
-from paramfsm.executor import Executor
-from paramfsm.fsm import compile_table, default_table
-from paramfsm.scheduler import Scheduler
-from paramfsm.spec import State, load_spec
-from paramfsm.trace import Trace
-from paramfsm.units import ParamRecord, build_units
 
 RETAIN_POLICIES = ("defer", "regather")
 # Weak registries (they never keep a model alive): sharded models, and each partitioned
@@ -56,7 +57,7 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     reduce-scatter gradients in this dtype. ``debug``: check that all ranks
     issue the same collectives with a small header all-gather before every
     all-gather and reduce-scatter, so any desync raises RankDesync (see
-    :mod:`paramfsm.rankcheck`; without it, a tag riding in each CPU gather
+    :mod:`paramfsm.engine.rankcheck`; without it, a tag riding in each CPU gather
     bucket checks all-gathers of equal size at no collective cost).
     """
     if retain not in RETAIN_POLICIES:

@@ -1,4 +1,4 @@
-"""Traces of a small training step, produced by driving :func:`paramfsm.fsm.step` directly.
+"""Traces of a small training step, produced by driving :func:`paramfsm.core.fsm.step` directly.
 
 Two units, ``enc`` and ``dec``, each gathered as a bucket: a forward pass
 (``dec`` prefetched while ``enc`` runs), a first backward that keeps its graph
@@ -10,8 +10,8 @@ command-line tests.
 
 from __future__ import annotations
 
-from paramfsm.fsm import Lifetime, StepContext, default_table, step
-from paramfsm.trace import Trace
+from paramfsm.core.fsm import Lifetime, StepContext, default_table, step
+from paramfsm.core.trace import Trace
 
 UNITS = {
     "enc": {"enc.weight": 4096, "enc.bias": 64},

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import attrs
 import pytest
+from scenario_traces import scenario_trace
 
 from paramfsm import cli
-from paramfsm.spec import DEFAULT_SPEC
-from scenario_traces import scenario_trace
+from paramfsm.core.spec import DEFAULT_SPEC
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE_LEN = len(scenario_trace())

@@ -12,12 +12,12 @@ import time
 
 import pytest
 import torch
+from patterns_common import Pair, batch, tokens
 from torch import nn
 
 import paramfsm
 from paramfsm import NotGathered, RankDesync, State
 from paramfsm.testing.models import TinyTransformer, mlp
-from patterns_common import Pair, batch, tokens
 
 VOCAB, SEQ = 32, 8
 

@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 from transitions import MachineError
 
-from paramfsm import fsm
+from paramfsm.core import fsm
+from paramfsm.core.machine import build_machine
+from paramfsm.core.spec import EFFECTS, State, load_spec
+from paramfsm.core.trace import Trace, replay
 from paramfsm.errors import IllegalTransition
-from paramfsm.machine import build_machine
-from paramfsm.spec import EFFECTS, State, load_spec
-from paramfsm.trace import Trace, replay
 
 SPEC = load_spec()
 TABLE = fsm.compile_table(SPEC)

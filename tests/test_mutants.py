@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from paramfsm import events, executor, faults, graph_task, hooks
-from paramfsm.executor import Executor
-from paramfsm.scheduler import Scheduler
+from paramfsm.engine import events, executor, graph_task, hooks
+from paramfsm.engine.executor import Executor
+from paramfsm.engine.scheduler import Scheduler
+from paramfsm.testing import faults
 from paramfsm.testing.mutants import format_table, main, run_catalogue
 from paramfsm.testing.verify import examples_from_env
 

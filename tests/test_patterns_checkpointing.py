@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils.checkpoint as cp
+from patterns_common import Pair, batch
 from torch import nn
 
 from paramfsm import State
-from patterns_common import Pair, batch
 
 
 class LoRALinear(nn.Module):

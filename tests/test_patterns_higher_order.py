@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from patterns_common import Pair, batch
 from torch import nn
 
 from paramfsm import State
-from patterns_common import Pair, batch
 
 
 class PenaltyNet(nn.Module):

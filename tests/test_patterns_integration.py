@@ -14,13 +14,13 @@ import math
 
 import pytest
 import torch
+from patterns_common import Pair, batch, tokens
 from torch import nn
 
 import paramfsm
 from paramfsm import State, checkpoint
 from paramfsm.testing import assert_close_dicts, rank_slice
 from paramfsm.testing.models import TinyTransformer, mlp
-from patterns_common import Pair, batch, tokens
 
 VOCAB, SEQ = 32, 8
 

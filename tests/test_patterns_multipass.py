@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from patterns_common import Pair, batch, tokens
 
 from paramfsm import State
 from paramfsm.testing.models import TinyTransformer, mlp
-from patterns_common import Pair, batch, tokens
 
 VOCAB, SEQ = 32, 8
 

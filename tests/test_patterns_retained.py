@@ -13,10 +13,10 @@ import gc
 
 import pytest
 import torch
+from patterns_common import Pair, tokens
 
 from paramfsm import State
 from paramfsm.testing.models import TinyTransformer
-from patterns_common import Pair, tokens
 
 VOCAB, SEQ = 32, 8
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from patterns_common import Pair, batch, gathers_by_task, reduces_by_task, tokens
 from torch import nn
 
 from paramfsm import State
 from paramfsm.testing.models import TinyTransformer
-from patterns_common import Pair, batch, gathers_by_task, reduces_by_task, tokens
 
 VOCAB, SEQ = 32, 8
 

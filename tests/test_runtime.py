@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 import paramfsm
 from paramfsm import State
-from paramfsm.fsm import default_table
+from paramfsm.core.fsm import default_table
+from paramfsm.core.trace import replay
 from paramfsm.testing import Reference, assert_close_dicts, rank_slice, sharded_grads, sharded_params
 from paramfsm.testing.models import TinyTransformer
-from paramfsm.trace import replay
 
 VOCAB, SEQ, PER_RANK = 32, 8, 2
 

@@ -12,9 +12,9 @@ import tomllib
 
 import pytest
 
+from paramfsm.core.fsm import compile_table
+from paramfsm.core.spec import DEFAULT_SPEC, EFFECTS, GUARDS, State, extended_states, load_spec, parse_spec
 from paramfsm.errors import SpecError
-from paramfsm.fsm import compile_table
-from paramfsm.spec import DEFAULT_SPEC, EFFECTS, GUARDS, State, extended_states, load_spec, parse_spec
 
 SHIPPED_TEXT = DEFAULT_SPEC.read_text(encoding="utf-8")
 SHIPPED = tomllib.loads(SHIPPED_TEXT)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from paramfsm.fsm import Lifetime, StepContext, compile_table, step
-from paramfsm.machine import CrossCheckedStep
-from paramfsm.spec import State, load_spec
+from paramfsm.core.fsm import Lifetime, StepContext, compile_table, step
+from paramfsm.core.machine import CrossCheckedStep
+from paramfsm.core.spec import State, load_spec
 from paramfsm.errors import IllegalTransition
 
 

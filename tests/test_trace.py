@@ -8,12 +8,12 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from paramfsm.fsm import default_table
-from paramfsm.spec import EFFECTS, State
-from paramfsm.trace import Trace, TraceRecord, final_states, replay
-from paramfsm.trace_report import diff, summarize
 from scenario_traces import UNITS, scenario_trace
+
+from paramfsm.core.fsm import default_table
+from paramfsm.core.spec import EFFECTS, State
+from paramfsm.core.trace import Trace, TraceRecord, final_states, replay
+from paramfsm.core.trace_report import diff, summarize
 
 TABLE = default_table()
 N_PARAMS = sum(len(params) for params in UNITS.values())

@@ -16,17 +16,32 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from paramfsm import cli
-from paramfsm.fsm import default_table
-from paramfsm.spec import INVARIANTS
+from paramfsm.core.fsm import default_table
+from paramfsm.core.spec import INVARIANTS
 from paramfsm.testing import checks
 from paramfsm.testing.programs import (
-    Backward, Config, Drop, Forward, Gathered, Loss, Penalty, Program, Shape, Step, programs,
+    Backward,
+    Config,
+    Drop,
+    Forward,
+    Gathered,
+    Loss,
+    Penalty,
+    Program,
+    Shape,
+    Step,
+    programs,
 )
 from paramfsm.testing.reproduction import render
 from paramfsm.testing.runner import Mirror, Options, run_program
 from paramfsm.testing.subject import global_batch, load_subject, split
 from paramfsm.testing.verify import (
-    EXAMPLES_ENV, VerificationFailed, examples_from_env, probe, verify, verify_model,
+    EXAMPLES_ENV,
+    VerificationFailed,
+    examples_from_env,
+    probe,
+    verify,
+    verify_model,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,7 +69,7 @@ def test_reproductions_are_python(program):
     script = render(program, SUBJECTS + "tiny_transformer", per_rank=2, seed=3, fail_at=len(program.ops) - 1,
                     message="why it failed", fault="tied_reduced_twice")
     compile(script, "repro.py", "exec")
-    assert "paramfsm.faults.inject('tied_reduced_twice')" in script
+    assert "paramfsm.testing.faults.inject('tied_reduced_twice')" in script
     assert ("# <- fails here" in script) == bool(program.ops)
 
 

@@ -21,8 +21,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from paramfsm.spec import State
-from paramfsm.trace import replay
+from paramfsm.core.spec import State
+from paramfsm.core.trace import replay
 
 
 def _data_empty(rec) -> str | None:

@@ -1,4 +1,4 @@
-"""Mutation run: does ``paramfsm verify`` kill every bug of the catalogue (:mod:`paramfsm.faults`)?
+"""Mutation run: does ``paramfsm verify`` kill every bug of the catalogue (:mod:`paramfsm.testing.faults`)?
 
 ``python -m paramfsm.testing.mutants`` first verifies the unmutated runtime
 with the same budget (a baseline: if it fails, a "kill" would mean nothing
@@ -21,8 +21,8 @@ import time
 
 import attrs
 
-from paramfsm.faults import CATALOGUE, Fault
 from paramfsm.launch import RankPool
+from paramfsm.testing.faults import CATALOGUE, Fault
 from paramfsm.testing.verify import verify
 
 log = logging.getLogger(__name__)

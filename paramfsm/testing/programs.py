@@ -274,7 +274,7 @@ def normalise(intents: Sequence[tuple], shape: Shape, config: Config = Config())
     return Program(config, tuple(norm.ops))
 
 
-#: Training-loop patterns behind the bugs of :mod:`paramfsm.faults`, as intents (kind, a, b, flag)
+#: Training-loop patterns behind the bugs of :mod:`paramfsm.testing.faults`, as intents (kind, a, b, flag)
 #: with a configuration. They run before the random programs (see :func:`canonical`).
 CANONICAL: tuple[tuple[Config, tuple], ...] = (
     (Config(), (("multi_loss", 0, 0, False),)),  # forward, two losses, zero_grad/backward(retain)/backward

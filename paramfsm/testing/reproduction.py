@@ -11,7 +11,17 @@ the docstring. Run the script with ``torchrun --nproc-per-node WORLD``.
 from __future__ import annotations
 
 from paramfsm.testing.programs import (
-    PENALTY_WEIGHT, Backward, Drop, Flush, Forward, Gathered, Loss, Penalty, Program, Step, ZeroGrad,
+    PENALTY_WEIGHT,
+    Backward,
+    Drop,
+    Flush,
+    Forward,
+    Gathered,
+    Loss,
+    Penalty,
+    Program,
+    Step,
+    ZeroGrad,
 )
 
 
@@ -19,10 +29,10 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
            message: str = "", fault: str | None = None) -> str:
     """The program as a script for ``torchrun --nproc-per-node WORLD``; ``fail_at`` marks the failing op.
 
-    ``fault``: the catalogued bug (:mod:`paramfsm.faults`) the run injected; the script injects it too.
+    ``fault``: the catalogued bug (:mod:`paramfsm.testing.faults`) the run injected; the script injects it too.
     """
     c = program.config
-    inject = [f"paramfsm.faults.inject({fault!r})  # the catalogued bug this run injected"] if fault else []
+    inject = [f"paramfsm.testing.faults.inject({fault!r})  # the catalogued bug this run injected"] if fault else []
     lines = [
         '"""A failing training loop found by `paramfsm verify`.',
         "",
@@ -33,7 +43,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         "from torch.utils.checkpoint import checkpoint",
         "",
         "import paramfsm",
-        *(["import paramfsm.faults"] if fault else []),
+        *(["import paramfsm.testing.faults"] if fault else []),
         "from paramfsm.testing.subject import load_subject",
         "",
         *inject,

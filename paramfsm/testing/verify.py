@@ -30,12 +30,12 @@ import attrs
 from hypothesis import HealthCheck, Phase, Verbosity, example, given, settings
 from hypothesis import seed as hypothesis_seed
 
+from paramfsm.engine.units import select_unit_modules
 from paramfsm.launch import RankFailure, RankPool
 from paramfsm.testing.programs import Config, Program, Shape, canonical, programs
 from paramfsm.testing.reproduction import render
 from paramfsm.testing.runner import Options, Outcome, run_program
 from paramfsm.testing.subject import Subject, first_tensor, global_batch, load_subject, split
-from paramfsm.units import select_unit_modules
 
 __all__ = ["verify", "verify_model", "VerificationFailed", "Report", "Finding", "Subject", "load_subject",
            "examples_from_env"]
@@ -172,7 +172,7 @@ def verify(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, p
     ``factory``: a callable or ``"module:attribute"`` (it must be importable on
     the ranks). ``pool``: reuse a pool of ``world_size`` ranks (one is started
     and closed otherwise). ``fault``: inject a catalogued bug
-    (:mod:`paramfsm.faults`) on the ranks. ``config``: fix the sharding
+    (:mod:`paramfsm.testing.faults`) on the ranks. ``config``: fix the sharding
     configuration instead of drawing it.
     """
     shape = probe(factory, seed, per_rank)

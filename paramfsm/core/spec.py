@@ -3,8 +3,8 @@
 The spec is data: states, events, and one row per (state, event[, guards]) that
 is a transition, an ``ignore`` or an ``error``. This module checks it once, at
 load time, and fails with a :class:`SpecError` that names the file and the
-entry. :mod:`paramfsm.fsm` compiles the validated spec into the hot-path table;
-:mod:`paramfsm.machine` builds the equivalent ``transitions`` Machine.
+entry. :mod:`paramfsm.core.fsm` compiles the validated spec into the hot-path table;
+:mod:`paramfsm.core.machine` builds the equivalent ``transitions`` Machine.
 
 Guards are evaluated over a small extended state ``(holds, keep_graph,
 retained)``. Because ``holds`` only matters as 0, 1 or "2 or more", the
@@ -26,7 +26,7 @@ import attrs
 
 from paramfsm.errors import SpecError
 
-DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "specs" / "param_lifetime.toml"
+DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "specs" / "param_lifetime.toml"
 
 
 class State(enum.Enum):
@@ -41,7 +41,7 @@ class State(enum.Enum):
     DEFERRED_RELEASE = "DEFERRED_RELEASE"
     """Like AVAILABLE, kept without holders for the next backward on a retained graph."""
 
-    # Identity hash: states key the compiled table on the hot path (see paramfsm.fsm).
+    # Identity hash: states key the compiled table on the hot path (see paramfsm.core.fsm).
     __hash__ = object.__hash__
 
     def __repr__(self) -> str:

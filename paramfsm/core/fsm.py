@@ -1,6 +1,6 @@
 """The pure lifetime step: the only place a parameter's state is assigned.
 
-``compile_table(spec)`` turns a validated :class:`~paramfsm.spec.Spec` into a
+``compile_table(spec)`` turns a validated :class:`~paramfsm.core.spec.Spec` into a
 frozen lookup table; :func:`step` applies one event to one parameter's
 :class:`Lifetime` record and returns the effects the executor must run.
 
@@ -20,8 +20,8 @@ import time
 from collections import deque
 from typing import Mapping
 
+from paramfsm.core.spec import Spec, State, extended_states, load_spec
 from paramfsm.errors import IllegalTransition
-from paramfsm.spec import Spec, State, extended_states, load_spec
 
 TRANSITION, IGNORE, ERROR = "transition", "ignore", "error"
 _HOLD_DELTA = {None: None, "+1": 1, "-1": -1, "0": 0}

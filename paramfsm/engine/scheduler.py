@@ -1,10 +1,10 @@
 """The scheduler: the one place that turns hook events into FSM steps and effects.
 
-Hooks (``paramfsm.hooks``) only emit :class:`Event` objects. The scheduler
+Hooks (``paramfsm.engine.hooks``) only emit :class:`Event` objects. The scheduler
 queues them (FIFO), applies each to the parameters of its unit through
-:func:`paramfsm.fsm.step`, and hands the returned effects to the
-:class:`~paramfsm.executor.Executor`. Policy lives here and only here:
-prefetch order and buckets (:mod:`paramfsm.plan`), the retain policy, the
+:func:`paramfsm.core.fsm.step`, and hands the returned effects to the
+:class:`~paramfsm.engine.executor.Executor`. Policy lives here and only here:
+prefetch order and buckets (:mod:`paramfsm.engine.plan`), the retain policy, the
 deferred-bytes bound, per-graph-task bookkeeping, and the leak audit.
 
 [Note: one backward = one graph task]
@@ -44,16 +44,27 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from paramfsm import graph_task as gt
-from paramfsm.audit import audit_leaks
-from paramfsm.events import (
-    BACKWARD_END, FLUSH, FORWARD_BEGIN, FORWARD_END, GRAD_READY, GRAPH_FREED, POST_BACKWARD,
-    POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event, ForwardCall, TaskState,
+from paramfsm.core.fsm import StepContext, step
+from paramfsm.core.machine import CrossCheckedStep
+from paramfsm.core.spec import State
+from paramfsm.engine import graph_task as gt
+from paramfsm.engine.audit import audit_leaks
+from paramfsm.engine.events import (
+    BACKWARD_END,
+    FLUSH,
+    FORWARD_BEGIN,
+    FORWARD_END,
+    GRAD_READY,
+    GRAPH_FREED,
+    POST_BACKWARD,
+    POST_FORWARD,
+    PRE_BACKWARD,
+    PRE_FORWARD,
+    Event,
+    ForwardCall,
+    TaskState,
 )
-from paramfsm.fsm import StepContext, step
-from paramfsm.machine import CrossCheckedStep
-from paramfsm.plan import PassState, Plan
-from paramfsm.spec import State
+from paramfsm.engine.plan import PassState, Plan
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Transition traces: one record per state change, dumped as JSON Lines, drawn in Perfetto, replayed.
 
-Tracing is off by default; when off, :func:`paramfsm.fsm.step` sees
+Tracing is off by default; when off, :func:`paramfsm.core.fsm.step` sees
 ``ctx.trace is None`` and does no work for it.
 
 A trace is checked by replaying it through the compiled spec
@@ -20,7 +20,7 @@ from typing import Iterable, Iterator
 
 import attrs
 
-from paramfsm.spec import State
+from paramfsm.core.spec import State
 
 FIELDS = ("seq", "t_ns", "rank", "step", "graph_task", "param", "unit", "event", "src", "dst",
           "effects", "keep_graph", "retained", "holds", "nbytes")
@@ -85,7 +85,7 @@ class Trace:
         self.records: list[TraceRecord] = list(records)
 
     def append(self, t_ns, ctx, rec, event, src, dst, effects, keep_graph, retained, holds) -> None:
-        """Called by :func:`paramfsm.fsm.step` for each transition while tracing is on."""
+        """Called by :func:`paramfsm.core.fsm.step` for each transition while tracing is on."""
         self.records.append(TraceRecord(
             len(self.records), t_ns, ctx.rank, ctx.step, ctx.graph_task, rec.name, rec.unit,
             event, src.name, dst.name, effects, bool(keep_graph), bool(retained), holds, rec.nbytes,
@@ -204,7 +204,7 @@ class ReplayError:
 def replay(records: Iterable[TraceRecord], table) -> ReplayError | None:
     """Replay records through a compiled table; return the first illegal one, or None.
 
-    ``table`` is a :class:`paramfsm.fsm.Table` (passed in, so this module
+    ``table`` is a :class:`paramfsm.core.fsm.Table` (passed in, so this module
     does not depend on how the spec was chosen).
     """
     current: dict[tuple[int, str], tuple[State, int]] = {}

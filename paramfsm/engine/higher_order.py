@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from paramfsm import graph_task as gt
-from paramfsm.events import PRE_BACKWARD, Event
+from paramfsm.engine import graph_task as gt
+from paramfsm.engine.events import PRE_BACKWARD, Event
 
 
 class SecondOrderEntry(torch.autograd.Function):

@@ -13,8 +13,8 @@ import logging
 
 import attrs
 
+from paramfsm.core.spec import State
 from paramfsm.errors import ParamFSMError
-from paramfsm.spec import State
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import it without importing each other.
 
 from __future__ import annotations
 
-from paramfsm import graph_task as gt
-from paramfsm.plan import PassState
+from paramfsm.engine import graph_task as gt
+from paramfsm.engine.plan import PassState
 
 FORWARD_BEGIN, FORWARD_END = "forward_begin", "forward_end"
 PRE_FORWARD, POST_FORWARD = "pre_forward", "post_forward"

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from paramfsm.collectives import all_gather_tags
+from paramfsm.engine.collectives import all_gather_tags
 from paramfsm.errors import RankDesync
 
 TAG_FIELDS = ("gather", "step", "unit", "elements")

@@ -26,10 +26,10 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from paramfsm import events, executor, graph_task, hooks
-from paramfsm.executor import Executor
-from paramfsm.scheduler import Scheduler
-from paramfsm.spec import State
+from paramfsm.core.spec import State
+from paramfsm.engine import events, executor, graph_task, hooks
+from paramfsm.engine.executor import Executor
+from paramfsm.engine.scheduler import Scheduler
 
 
 @attrs.frozen(slots=True)

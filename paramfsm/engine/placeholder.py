@@ -93,7 +93,7 @@ def _guard_class(cls: type) -> type:
         "__torch_function__": classmethod(_torch_function),
         "__reduce_ex__": _refuse_pickle,
         "__module__": __name__,
-        "__doc__": f"A {cls.__name__} whose data is not gathered on this rank (see paramfsm.placeholder).",
+        "__doc__": f"A {cls.__name__} whose data is not gathered on this rank (see paramfsm.engine.placeholder).",
     })
     _GUARDED[cls], _PLAIN[guard] = guard, cls
     return guard

@@ -1,6 +1,6 @@
 """The spec as a ``transitions`` Machine: diagrams, a reference for tests, and strict mode.
 
-The Machine is built from the same validated :class:`~paramfsm.spec.Spec` as
+The Machine is built from the same validated :class:`~paramfsm.core.spec.Spec` as
 the compiled table, but through an independent path (pytransitions' own
 trigger/condition machinery), so a differential test can hold the two
 against each other. It costs microseconds per trigger and kilobytes per
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from transitions import Machine, MachineError
 
-from paramfsm.spec import GUARDS, Spec
+from paramfsm.core.spec import GUARDS, Spec
 
 
 class MachineModel:
@@ -103,7 +103,7 @@ def draw_mermaid(spec: Spec, path: str | Path | None = None) -> str:
 
 
 class CrossCheckedStep:
-    """A drop-in for :func:`paramfsm.fsm.step` that replays every live step on the Machine.
+    """A drop-in for :func:`paramfsm.core.fsm.step` that replays every live step on the Machine.
 
     Used by ``paramfsm.shard(..., strict=True)``: before the compiled table
     moves a record, the same (state, event, extended state) is triggered on

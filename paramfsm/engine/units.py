@@ -6,7 +6,7 @@ a parameter reachable from several unit modules (tied weights) belongs to
 all of them, and its record counts every holder.
 
 The side table (:class:`ParamRecord`, keyed by the parameter) extends the
-FSM's :class:`~paramfsm.fsm.Lifetime` with what the executor needs: the
+FSM's :class:`~paramfsm.core.fsm.Lifetime` with what the executor needs: the
 rank's shard (a leaf ``nn.Parameter`` the optimizer updates), the full shape,
 the padded layout, and the staged / pending buffers of an in-flight gather.
 Nothing is set on the user's ``nn.Parameter`` objects except ``.data``.
@@ -19,8 +19,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from paramfsm.core.fsm import Lifetime
 from paramfsm.errors import ParamFSMError
-from paramfsm.fsm import Lifetime
 
 
 class ParamRecord(Lifetime):

@@ -1,4 +1,4 @@
-"""The executor runs the effects that :func:`paramfsm.fsm.step` returns.
+"""The executor runs the effects that :func:`paramfsm.core.fsm.step` returns.
 
 It owns buffers and collectives, never states: it is handed parameter records
 and acts on their tensors (``param.data``, the shard, staged / pending
@@ -32,9 +32,8 @@ import functools
 
 import torch
 
-from paramfsm import kernels, placeholder, rankcheck
-from paramfsm.collectives import all_gather_flat, reduce_scatter_flat
-
+from paramfsm.engine import kernels, placeholder, rankcheck
+from paramfsm.engine.collectives import all_gather_flat, reduce_scatter_flat
 
 #: Reduce-scatters issued and not yet waited on, at most (each holds a full-size gradient bucket).
 MAX_REDUCES_IN_FLIGHT = 2
@@ -65,7 +64,7 @@ class Gather:
 
     def __init__(self, work, recv, records, layout, tagged: bool = False):
         self.work, self.recv, self.records, self.layout = work, recv, records, layout
-        self.tagged = tagged  # the bucket ends with the rank-order tag (see paramfsm.rankcheck)
+        self.tagged = tagged  # the bucket ends with the rank-order tag (see paramfsm.engine.rankcheck)
 
 
 class Counters:
@@ -94,7 +93,7 @@ class Executor:
         self._grads: list = []  # (record, grad) waiting for the next reduce bucket
         self._grad_bytes = 0
         self._reduces: list = []  # (work, out, records, layout) in flight
-        # The rank-order check (paramfsm.rankcheck): "tag" rides in the bucket, "header" is a
+        # The rank-order check (paramfsm.engine.rankcheck): "tag" rides in the bucket, "header" is a
         # separate fixed-size all-gather first (debug=True), None is off. The runtime sets
         # ``ctx`` (for the step) and ``unit_names`` (for messages).
         self.rank_check: str | None = "tag"
@@ -228,7 +227,7 @@ class Executor:
         The placeholder has the compute dtype (``param_dtype``, else the shard's), so a
         parameter's dtype is the same gathered or not and autograd's ``AccumulateGrad``
         always sees gradients of the dtype it recorded. It raises
-        :class:`~paramfsm.errors.NotGathered` when used (see :mod:`paramfsm.placeholder`).
+        :class:`~paramfsm.errors.NotGathered` when used (see :mod:`paramfsm.engine.placeholder`).
         """
         shard = rec.shard
         key = (self.param_dtype or shard.dtype, shard.device)

@@ -15,7 +15,7 @@ Per parameter that requires grad: a post-accumulate-grad hook emits
 graph task (after all of its uses, tied weights included). A tensor hook
 routes the gradient when it is recorded (``create_graph=True``) so that a
 later backward through it fetches the unit first (see
-:mod:`paramfsm.higher_order`); the post-backward hooks do the same for the
+:mod:`paramfsm.engine.higher_order`); the post-backward hooks do the same for the
 gradients of the unit's inputs.
 
 On the root module: ``FORWARD_BEGIN`` / ``FORWARD_END`` around the forward.
@@ -36,11 +36,18 @@ from functools import partial
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from paramfsm import graph_task as gt
-from paramfsm import higher_order
-from paramfsm.events import (
-    FORWARD_BEGIN, FORWARD_END, GRAD_READY, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD,
-    Event, ForwardCall,
+from paramfsm.engine import graph_task as gt
+from paramfsm.engine import higher_order
+from paramfsm.engine.events import (
+    FORWARD_BEGIN,
+    FORWARD_END,
+    GRAD_READY,
+    POST_BACKWARD,
+    POST_FORWARD,
+    PRE_BACKWARD,
+    PRE_FORWARD,
+    Event,
+    ForwardCall,
 )
 
 

@@ -1,6 +1,6 @@
 """Read a trace for debugging memory or a hang: totals per state, deferred windows, leaks, divergence.
 
-:func:`summarize` turns a list of :class:`~paramfsm.trace.TraceRecord` into a
+:func:`summarize` turns a list of :class:`~paramfsm.core.trace.TraceRecord` into a
 :class:`Summary` (time per state, gathers, deferred windows, graph tasks,
 leaks) that ``paramfsm trace summary`` prints. :func:`diff` compares two
 ranks' traces and names the first record where they part ways, which is
@@ -28,8 +28,8 @@ from typing import Iterable, Mapping, Sequence
 
 import attrs
 
-from paramfsm.spec import State
-from paramfsm.trace import TraceRecord
+from paramfsm.core.spec import State
+from paramfsm.core.trace import TraceRecord
 
 LEAK_TAIL = 5  # records shown per leaked parameter
 DIFF_FIELDS = ("step", "param", "unit", "event", "src", "dst", "effects")

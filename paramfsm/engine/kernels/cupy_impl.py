@@ -4,14 +4,14 @@ The CUDA source (``pack.cu``, shipped next to this module) defines one
 ``extern "C"`` entry point per (op, source dtype, destination dtype), named
 ``pfsm_<op>_<src>_<dst>``. Each launch covers every parameter of the unit; the
 kernel reads per-parameter sizes from an int64 metadata array that is built once
-per :class:`~paramfsm.kernels.layout.ShardLayout` and kept on the device, plus a
+per :class:`~paramfsm.engine.kernels.layout.ShardLayout` and kept on the device, plus a
 small table of per-parameter addresses (data pointers are shared with torch, no
 copies). See ``pack.cu`` for the tiling scheme.
 
 CuPy is imported lazily, so this module imports on machines without it; the
 functions themselves need CuPy and a CUDA device. Anything the kernels do not
 cover (non-contiguous tensors, other dtypes, tensors on another device, a
-failed compile) is routed to :mod:`paramfsm.kernels.torch_impl`.
+failed compile) is routed to :mod:`paramfsm.engine.kernels.torch_impl`.
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def _dtype_groups(
 
 
 def pack_shards(shards: Sequence[Tensor], out: Tensor) -> Tensor:
-    """Kernel version of :func:`paramfsm.kernels.torch_impl.pack_shards`."""
+    """Kernel version of :func:`paramfsm.engine.kernels.torch_impl.pack_shards`."""
     idx = out.get_device()
     if not (shards and _fits(out, idx) and all(_fits(s, idx) for s in shards)):
         return torch_impl.pack_shards(shards, out)
@@ -317,7 +317,7 @@ def pack_shards(shards: Sequence[Tensor], out: Tensor) -> Tensor:
 def unpack_gathered(
     gathered: Tensor, outs: Sequence[Tensor], shard_numels: Sequence[int], world: int
 ) -> None:
-    """Kernel version of :func:`paramfsm.kernels.torch_impl.unpack_gathered`."""
+    """Kernel version of :func:`paramfsm.engine.kernels.torch_impl.unpack_gathered`."""
     idx = gathered.get_device()
     if not (outs and _fits(gathered, idx) and all(_fits(o, idx) for o in outs)):
         torch_impl.unpack_gathered(gathered, outs, shard_numels, world)
@@ -335,7 +335,7 @@ def unpack_gathered(
 def pack_grads(
     grads: Sequence[Optional[Tensor]], shard_numels: Sequence[int], world: int, out: Tensor
 ) -> Tensor:
-    """Kernel version of :func:`paramfsm.kernels.torch_impl.pack_grads`."""
+    """Kernel version of :func:`paramfsm.engine.kernels.torch_impl.pack_grads`."""
     idx = out.get_device()
     fits = grads and _fits(out, idx) and all(g is None or _fits(g, idx) for g in grads)
     if not fits:

@@ -10,8 +10,8 @@ by :class:`ShardLayout`:
 * :func:`pack_grads` - full gradients into the reduce-scatter input.
 
 Each call dispatches on device: CUDA tensors use the CuPy kernels in
-:mod:`paramfsm.kernels.cupy_impl` (one launch per unit) when CuPy and a CUDA
-device are available, everything else uses :mod:`paramfsm.kernels.torch_impl`.
+:mod:`paramfsm.engine.kernels.cupy_impl` (one launch per unit) when CuPy and a CUDA
+device are available, everything else uses :mod:`paramfsm.engine.kernels.torch_impl`.
 Both give the same bits: dtype changes go through fp32 and round to nearest
 even, as torch's ``copy_`` does.
 """
