@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo bench lint mutants verify clean
+.PHONY: install test demo bench lint mutants verify gpu-check clean
 
 install: $(STAMP)
 
@@ -43,6 +43,15 @@ mutants: install
 
 verify: install
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:tiny_transformer --examples 50
+
+# The GPU check needs a Python whose torch is a CUDA build (the .venv above holds the CPU wheel);
+# it installs the cuda extra into that Python when CuPy is missing. Exit 2: no GPU here.
+GPU_PYTHON ?= python3
+gpu-check:
+	@$(GPU_PYTHON) -c "import torch" 2>/dev/null || { \
+	  echo "gpu-check: $(GPU_PYTHON) has no torch; run make gpu-check GPU_PYTHON=<a Python whose torch has CUDA>"; \
+	  exit 2; }
+	@$(GPU_PYTHON) -m paramfsm.testing.gpu_check
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .hypothesis

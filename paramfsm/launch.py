@@ -1,7 +1,8 @@
-"""Run functions on N local gloo ranks (127.0.0.1): for tests, the demo, verify and benchmarks.
+"""Run functions on N local ranks (127.0.0.1): for tests, the demo, verify and benchmarks.
 
-A :class:`RankPool` spawns its worker processes once, initialises one gloo
-process group among them, and then runs any number of picklable functions
+A :class:`RankPool` spawns its worker processes once, initialises one process
+group among them (gloo for ``device="cpu"``, NCCL for ``device="cuda"``, each
+rank on its own GPU; ``backend=`` overrides), and then runs any number of picklable functions
 ``fn(rank, world, *args)`` on every rank, returning the per-rank results.
 Reusing the workers keeps a test suite from paying process start-up and
 ``import torch`` for every test.
@@ -37,7 +38,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, conn, sys_path: list[str], threads: int) -> None:
+def _worker(rank: int, world: int, port: int, conn, sys_path: list[str], threads: int, backend: str,
+            device: str) -> None:
     sys.path[:] = sys_path
     import torch
     import torch.distributed as dist
@@ -46,7 +48,9 @@ def _worker(rank: int, world: int, port: int, conn, sys_path: list[str], threads
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world)
         conn.send(("ready", None))
     except Exception:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", traceback.format_exc()))
@@ -67,10 +71,13 @@ def _worker(rank: int, world: int, port: int, conn, sys_path: list[str], threads
 
 
 class RankPool:
-    """``world`` spawned gloo ranks that run functions on request (see the module docstring)."""
+    """``world`` spawned ranks that run functions on request (see the module docstring)."""
 
-    def __init__(self, world: int = 2, timeout: float = 300.0, threads: int | None = None):
+    def __init__(self, world: int = 2, timeout: float = 300.0, threads: int | None = None, *,
+                 device: str = "cpu", backend: str | None = None):
         self.world, self.timeout = world, timeout
+        self.device = device
+        self.backend = backend or ("nccl" if device == "cuda" else "gloo")
         self.threads = threads or max(1, (os.cpu_count() or 2) // world)
         self._procs: list = []
         self._conns: list = []
@@ -80,8 +87,8 @@ class RankPool:
         port = free_port()
         for rank in range(self.world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, self.world, port, child, list(sys.path), self.threads),
-                               daemon=True)
+            args = (rank, self.world, port, child, list(sys.path), self.threads, self.backend, self.device)
+            proc = ctx.Process(target=_worker, args=args, daemon=True)
             proc.start()
             self._procs.append(proc)
             self._conns.append(parent)

@@ -26,6 +26,7 @@ from paramfsm.engine import hooks, placeholder
 from paramfsm.engine.collectives import all_gather_flat, resolve_group
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.scheduler import Scheduler
+from paramfsm.engine.streams import streams_for
 from paramfsm.engine.units import ParamRecord, build_units
 from paramfsm.errors import ParamFSMError
 
@@ -82,7 +83,8 @@ class Runtime:
     def __init__(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                  bucket_bytes, param_dtype, reduce_dtype, debug=False):
         self.model = model
-        self.group, self.rank, self.world = resolve_group(group)
+        device = _model_device(model)
+        self.group, self.rank, self.world = resolve_group(group, device)
         self.table = compile_table(load_spec(spec)) if spec is not None else default_table()
         self.units, by_id = build_units(model, units, self.rank, self.world)
         self._by_id = by_id
@@ -91,7 +93,8 @@ class Runtime:
         # only a traced runtime hands it to the FSM, so an untraced one pays nothing per step.
         self.trace = Trace(self.rank)
         self.executor = Executor(self.group, self.rank, self.world, param_dtype=param_dtype,
-                                 reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+                                 reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
+                                 streams=streams_for(device))
         self.scheduler = Scheduler(self.table, self.units, list(by_id.values()), self.executor,
                                    rank=self.rank, retain=retain, prefetch=prefetch,
                                    max_deferred_bytes=max_deferred_bytes, bucket_bytes=bucket_bytes,
@@ -305,3 +308,12 @@ def _ancestors(model: nn.Module, unit_name: str):
     for part in parts:
         module = getattr(module, part)
         yield module
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """The one device every parameter of ``model`` lives on (CPU for a model without any)."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise ParamFSMError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
+                            "move the whole model to one device (model.to(device)) before paramfsm.shard")
+    return devices.pop() if devices else torch.device("cpu")

@@ -19,17 +19,18 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def resolve_group(group):
+def resolve_group(group, device: torch.device | None = None):
     """Return ``(group, rank, world)``; raise a helpful error when torch.distributed is not set up.
 
-    ``group="single"`` initialises a one-rank gloo group on 127.0.0.1 when
+    ``group="single"`` initialises a one-rank group on 127.0.0.1 when
     torch.distributed is not initialised yet, so single-process use (tests,
-    notebooks, debugging a trace) needs no launcher.
+    notebooks, debugging a trace) needs no launcher. Its backend follows the
+    model's ``device``: NCCL for CUDA, gloo otherwise (:func:`default_backend`).
     """
     if group == "single":
         group = None
         if not dist.is_initialized():
-            _init_single_process()
+            _init_single_process(default_backend(device))
     if not dist.is_available() or not dist.is_initialized():
         raise NotInitialized(
             "torch.distributed is not initialised. Call "
@@ -38,10 +39,17 @@ def resolve_group(group):
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
-def _init_single_process() -> None:
+def default_backend(device: torch.device | None) -> str:
+    """NCCL for CUDA tensors (when torch has it), gloo for everything else."""
+    if device is not None and torch.device(device).type == "cuda" and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def _init_single_process(backend: str) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group(backend, rank=0, world_size=1)
 
 
 def _free_port() -> int:

@@ -8,12 +8,17 @@ dtype when a bucket mixes parameter dtypes), one reduce-scatter for every
 gradient bucket.
 
 [Note: gather = issue, then wait, then install]
-``start_gather`` packs the shards and issues an async all-gather (INFLIGHT).
-``wait_gather`` waits for it and unpacks the whole bucket into full tensors
-(see [Note: persistent full storage]), staging them on the records. The ``unpack`` effect
-(on the ``arrive`` transition) installs a staged tensor as ``param.data``.
-Splitting wait from install lets one wait complete a bucket that spans
-several units while each parameter still moves through the FSM on its own.
+``start_gather`` launches the bucket's gather on the gather lane
+(:mod:`paramfsm.engine.streams`): pack the shards, issue an async all-gather
+(INFLIGHT). On a device the lane also waits for the collective and unpacks the
+whole bucket into full tensors (see [Note: persistent full storage]) without
+blocking the host; on the CPU the host does both in ``wait_gather``, which is
+where gloo's background thread stops overlapping. ``wait_gather`` joins the
+lane (compute waits for its event) and stages the full tensors on the records.
+The ``unpack`` effect (on the ``arrive`` transition) installs a staged tensor as
+``param.data``. Splitting wait from install lets one wait complete a bucket
+that spans several units while each parameter still moves through the FSM on
+its own.
 
 [Note: gradients leave the parameter at once]
 ``reduce_grad`` takes ``param.grad`` (accumulated by autograd for the current
@@ -23,7 +28,9 @@ pass ``bucket_bytes``, with at most ``MAX_REDUCES_IN_FLIGHT`` in flight (the
 oldest is completed when another is issued); ``finish_reduces`` (end of
 backward) completes the rest. Completing one adds ``1/world`` of each summed
 shard into ``shard.grad``, so shard gradients accumulate across backward
-passes until the user zeroes them.
+passes until the user zeroes them. The packing and the collective run on the
+reduce lane, which keeps the gradients alive until it is joined (see
+[Note: compute waits at join, and arguments outlive the side work]).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import torch
 
 from paramfsm.engine import kernels, placeholder, rankcheck
 from paramfsm.engine.collectives import all_gather_flat, reduce_scatter_flat
+from paramfsm.engine.streams import GATHER, REDUCE, HostStreams
 
 #: Reduce-scatters issued and not yet waited on, at most (each holds a full-size gradient bucket).
 MAX_REDUCES_IN_FLIGHT = 2
@@ -58,12 +66,13 @@ PERSISTENT_BYTES = 64 * 1024
 
 
 class Gather:
-    """One coalesced all-gather in flight: the work handle, the receive buffer, its records."""
+    """One coalesced all-gather in flight: its lane ticket, work handle, receive buffer and records."""
 
-    __slots__ = ("work", "recv", "records", "layout", "tagged")
+    __slots__ = ("ticket", "work", "recv", "records", "layout", "tagged")
 
-    def __init__(self, work, recv, records, layout, tagged: bool = False):
-        self.work, self.recv, self.records, self.layout = work, recv, records, layout
+    def __init__(self, records, layout, tagged: bool = False):
+        self.records, self.layout = records, layout
+        self.ticket = self.work = self.recv = None
         self.tagged = tagged  # the bucket ends with the rank-order tag (see paramfsm.engine.rankcheck)
 
 
@@ -83,8 +92,12 @@ class Executor:
     """Runs gather / free / reduce effects for one process group."""
 
     def __init__(self, group, rank: int, world: int, *, param_dtype=None, reduce_dtype=None,
-                 bucket_bytes: int = 1 << 20):
+                 bucket_bytes: int = 1 << 20, streams=None):
         self.group, self.rank, self.world = group, rank, world
+        self.streams = streams if streams is not None else HostStreams()
+        # World 1 needs no collective: the shard is the parameter. The GPU check turns this
+        # off to drive the full path (packing kernels, NCCL, streams) on a single device.
+        self.local = world == 1
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.bucket_bytes = bucket_bytes
@@ -92,7 +105,7 @@ class Executor:
         self._empty: dict[tuple, torch.Tensor] = {}
         self._grads: list = []  # (record, grad) waiting for the next reduce bucket
         self._grad_bytes = 0
-        self._reduces: list = []  # (work, out, records, layout) in flight
+        self._reduces: list = []  # (ticket, records, layout) in flight
         # The rank-order check (paramfsm.engine.rankcheck): "tag" rides in the bucket, "header" is a
         # separate fixed-size all-gather first (debug=True), None is off. The runtime sets
         # ``ctx`` (for the step) and ``unit_names`` (for messages).
@@ -109,7 +122,7 @@ class Executor:
         its own dtype (the order of the groups is the same on every rank).
         """
         dtype = self.param_dtype
-        if dtype is None and self.world > 1:
+        if dtype is None and not self.local:
             first_dtype = records[0].shard.dtype
             if any(r.shard.dtype != first_dtype for r in records):
                 by_dtype: dict = {}
@@ -118,10 +131,10 @@ class Executor:
                 for group in by_dtype.values():
                     self.start_gather(tuple(group))
                 return
-        if self.world == 1:
+        if self.local:
             for rec in records:
                 rec.staged = self._local_full(rec, dtype)
-            gather = Gather(None, None, records, None)
+            gather = Gather(records, None)
         else:
             first = records[0].shard
             dtype = dtype or first.dtype
@@ -138,13 +151,10 @@ class Executor:
                     rankcheck.check_header(fields, self.rank, self.world, self.group, self.unit_names,
                                            "all-gather")
             layout = kernels.shard_layout(numels, self.world)
-            send = torch.empty(layout.total, dtype=dtype, device=first.device)
-            kernels.pack_shards(shards, send)
-            recv = torch.empty(layout.total * self.world, dtype=dtype, device=first.device)
-            work = all_gather_flat(recv, send, self.group, async_op=True)
-            gather = Gather(work, recv, records, layout, tagged)
+            gather = Gather(records, layout, tagged)
+            gather.ticket = self.streams.launch(GATHER, self._issue_gather, gather, shards, dtype)
             self.counters.all_gathers += 1
-            self.counters.gathered_bytes += recv.numel() * recv.element_size()
+            self.counters.gathered_bytes += layout.total * self.world * dtype.itemsize
         for rec in records:
             rec.pending = gather
 
@@ -164,15 +174,36 @@ class Executor:
             view = rec.local_view = rec.shard.detach().view(rec.shape)
         return view
 
+    def _issue_gather(self, gather: Gather, shards, dtype):
+        """Gather-lane work: pack, issue the all-gather; on a device also wait and unpack there."""
+        layout, device = gather.layout, shards[0].device
+        send = torch.empty(layout.total, dtype=dtype, device=device)
+        kernels.pack_shards(shards, send)
+        gather.recv = torch.empty(layout.total * self.world, dtype=dtype, device=device)
+        gather.work = all_gather_flat(gather.recv, send, self.group, async_op=True)
+        return self._finish_gather(gather) if self.streams.asynchronous else None
+
     def wait_gather(self, gather: Gather) -> None:
         """Wait for a gather and stage every parameter's full tensor (idempotent).
 
+        See [Note: gather = issue, then wait, then install] for which side waits.
+        """
+        ticket = gather.ticket
+        if ticket is None:
+            return
+        gather.ticket = None
+        outs = self.streams.join(ticket)
+        if outs is None:
+            outs = self._finish_gather(gather)
+        for rec, out in zip(gather.records, outs):
+            rec.staged = out
+
+    def _finish_gather(self, gather: Gather) -> list:
+        """Wait for the all-gather and unpack it into full tensors, one per record.
+
         See [Note: persistent full storage] for where the full tensors live.
         """
-        work = gather.work
-        if work is None:
-            return
-        gather.work = None
+        work, gather.work = gather.work, None
         work.wait()
         recv, records = gather.recv, gather.records
         gather.recv = None
@@ -190,8 +221,7 @@ class Executor:
                 tag = outs.pop()
         if tag is not None:
             rankcheck.check_encoded(tag.view(self.world, -1), self.rank, self.unit_names)
-        for rec, out in zip(records, outs):
-            rec.staged = out
+        return outs
 
     @staticmethod
     def _persistent(rec, like: torch.Tensor) -> torch.Tensor:
@@ -251,7 +281,7 @@ class Executor:
         rec.param.grad = None
         if grad.requires_grad:
             grad = grad.detach()
-        if self.world == 1:
+        if self.local:
             self._accumulate(rec, grad.reshape(-1))
             return
         self._grads.append((rec, grad))
@@ -275,14 +305,10 @@ class Executor:
             unit = records[0].units[0].index if records[0].units else -1
             rankcheck.check_header((self.counters.reduce_scatters, step, unit, layout.total),
                                    self.rank, self.world, self.group, self.unit_names, "reduce-scatter")
-        inp = torch.empty(layout.total * self.world, dtype=dtype, device=grads[0].device)
-        kernels.pack_grads(grads, layout.shard_numels, self.world, inp)
-        inp.div_(self.world)
-        out = torch.empty(layout.total, dtype=dtype, device=inp.device)
-        work = reduce_scatter_flat(out, inp, self.group, async_op=True)
-        self._reduces.append((work, out, records, layout))
+        ticket = self.streams.launch(REDUCE, self._issue_reduce, layout, dtype, grads)
+        self._reduces.append((ticket, records, layout))
         self.counters.reduce_scatters += 1
-        self.counters.reduced_bytes += inp.numel() * inp.element_size()
+        self.counters.reduced_bytes += layout.total * self.world * dtype.itemsize
         # An issued reduce-scatter holds its full-size input until it is waited on:
         # bound how many are in flight so gradient memory stays bounded too.
         while len(self._reduces) > MAX_REDUCES_IN_FLIGHT:
@@ -295,9 +321,31 @@ class Executor:
         for reduce in reduces:
             self._complete(reduce)
 
+    def _issue_reduce(self, layout, dtype, grads) -> tuple:
+        """Reduce-lane work: pack and pre-divide the gradients, issue the reduce-scatter.
+
+        Returns ``(out, work)``; on a device the lane waits for the collective
+        itself, so ``work`` is None.
+        """
+        inp = torch.empty(layout.total * self.world, dtype=dtype, device=grads[0].device)
+        kernels.pack_grads(grads, layout.shard_numels, self.world, inp)
+        inp.div_(self.world)
+        out = torch.empty(layout.total, dtype=dtype, device=inp.device)
+        work = reduce_scatter_flat(out, inp, self.group, async_op=True)
+        if self.streams.asynchronous:
+            work.wait()
+            return out, None
+        return out, work
+
+    def _join_reduce(self, ticket) -> torch.Tensor:
+        out, work = self.streams.join(ticket)
+        if work is not None:
+            work.wait()
+        return out
+
     def _complete(self, reduce) -> None:
-        work, out, records, layout = reduce
-        work.wait()
+        ticket, records, layout = reduce
+        out = self._join_reduce(ticket)
         for rec, piece in zip(records, out.split(layout.shard_numels)):
             self._accumulate(rec, piece)
 
@@ -311,8 +359,8 @@ class Executor:
         """
         self._grads, self._grad_bytes = [], 0
         reduces, self._reduces = self._reduces, []
-        for work, *_ in reduces:
-            work.wait()
+        for ticket, *_ in reduces:
+            self._join_reduce(ticket)
 
     @staticmethod
     def _accumulate(rec, flat_grad) -> None:

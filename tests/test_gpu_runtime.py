@@ -1,0 +1,72 @@
+"""The runtime on a CUDA device: side streams ordered by events, NCCL, the seed loop against plain torch.
+
+Skipped without a CUDA device. ``make gpu-check`` runs these with the kernel
+tests (``pytest -m gpu``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from paramfsm.engine.streams import GATHER, REDUCE, DeviceStreams, streams_for
+from paramfsm.launch import RankPool
+from paramfsm.testing.scenarios import two_loss_job
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SLOW_LANE_CYCLES = 50_000_000  # tens of milliseconds of GPU spinning: compute would overtake an unordered lane
+
+
+def test_compute_waits_for_a_slow_lane():
+    streams = streams_for(torch.device("cuda"))
+    assert isinstance(streams, DeviceStreams)
+    source = torch.full((1 << 20,), 3.0, device="cuda")
+
+    def slow_copy(src):
+        torch.cuda._sleep(SLOW_LANE_CYCLES)
+        return src * 2
+
+    ticket = streams.launch(GATHER, slow_copy, source)
+    out = streams.join(ticket)
+    assert torch.equal(out, torch.full_like(source, 6.0)), "compute read the lane's result before it was ready"
+
+
+def test_a_lane_waits_for_compute_before_reading():
+    streams = DeviceStreams(torch.device("cuda"))
+    data = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(SLOW_LANE_CYCLES)  # compute is busy ...
+    data.fill_(5.0)                       # ... then produces the lane's input
+    out = streams.join(streams.launch(REDUCE, lambda t: t.sum(), data))
+    assert out.item() == 5.0 * data.numel()
+
+
+def test_tickets_keep_their_arguments_until_joined():
+    streams = DeviceStreams(torch.device("cuda"))
+    grads = torch.ones(1 << 16, device="cuda")
+    ticket = streams.launch(REDUCE, lambda g: g.sum(), grads)
+    assert ticket.args[0] is grads
+    streams.join(ticket)
+    assert ticket.args == () and ticket.event is None
+
+
+@pytest.fixture(scope="module")
+def nccl1():
+    with RankPool(1, timeout=300, device="cuda") as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("retain", ["defer", "regather"])
+@pytest.mark.parametrize("collectives", [False, True], ids=["local", "nccl"])
+def test_two_losses_on_one_gpu(nccl1, retain, collectives):
+    job = partial(two_loss_job, collectives=collectives, dim=64, depth=3, bucket_bytes=64 << 10, atol=1e-4)
+    report = nccl1.run(job, "cuda", retain, 3)[0]
+    assert report["backend"] == "nccl"
+    assert report["streams"] == "DeviceStreams"
+    assert (report["all_gathers"] > 0) == collectives
+    assert report["grad_err"] < 1e-4 and report["param_err"] < 1e-4
