@@ -90,10 +90,82 @@ __device__ __forceinline__ void store_converted(Vec<D, V>* dst, const Vec<S, V>&
     *dst = b;
 }
 
+// The 32 bits starting `bits` bits into the little-endian pair (a, b). Written as a
+// 64-bit shift: it compiles to one SHF on the device and also runs on the host.
+__device__ __forceinline__ unsigned funnel(unsigned a, unsigned b, unsigned bits) {
+    return static_cast<unsigned>(((static_cast<pfsm_u64>(b) << 32) | a) >> bits);
+}
+
+// 16 bytes starting `4 * word + bits / 8` bytes into the 32 bytes (lo, hi). The
+// switch keeps every word in a register (indexing a local array with a run-time
+// value would spill it to local memory); `word` is the same for the whole run.
+__device__ __forceinline__ uint4 shift_words(const uint4& lo, const uint4& hi, unsigned word,
+                                             unsigned bits) {
+    switch (word) {
+        case 0:
+            return make_uint4(funnel(lo.x, lo.y, bits), funnel(lo.y, lo.z, bits),
+                              funnel(lo.z, lo.w, bits), funnel(lo.w, hi.x, bits));
+        case 1:
+            return make_uint4(funnel(lo.y, lo.z, bits), funnel(lo.z, lo.w, bits),
+                              funnel(lo.w, hi.x, bits), funnel(hi.x, hi.y, bits));
+        case 2:
+            return make_uint4(funnel(lo.z, lo.w, bits), funnel(lo.w, hi.x, bits),
+                              funnel(hi.x, hi.y, bits), funnel(hi.y, hi.z, bits));
+        default:
+            return make_uint4(funnel(lo.w, hi.x, bits), funnel(hi.x, hi.y, bits),
+                              funnel(hi.y, hi.z, bits), funnel(hi.z, hi.w, bits));
+    }
+}
+
+// Same-dtype copy of n elements whose source and destination are misaligned
+// differently modulo 16 bytes (odd parameter sizes make this the common case
+// when unpacking a gathered bucket). A scalar head aligns the destination; then
+// each thread writes aligned 16-byte vectors, each assembled from the two
+// aligned source vectors it straddles (shift_words). Both loads are aligned and
+// stay inside the 16-byte chunks that hold the run's own bytes, and neighbouring
+// threads share chunks, so memory traffic stays ~1x. As in copy_run, U vectors'
+// loads are issued before any store so they are in flight together.
+template <typename T>
+__device__ __forceinline__ void shifted_copy_run(const T* __restrict__ src, T* __restrict__ dst,
+                                                 pfsm_i64 n) {
+    constexpr int V = 16 / sizeof(T);
+    constexpr int U = 4;
+    const pfsm_i64 tid = threadIdx.x;
+    const pfsm_i64 nthreads = blockDim.x;
+    const pfsm_u64 da = (reinterpret_cast<pfsm_u64>(dst) / sizeof(T)) % V;
+    pfsm_i64 head = static_cast<pfsm_i64>((V - da) % V);
+    if (head > n) head = n;
+    for (pfsm_i64 k = tid; k < head; k += nthreads) dst[k] = src[k];
+    const pfsm_i64 nvec = (n - head) / V;
+    const pfsm_u64 from = reinterpret_cast<pfsm_u64>(src + head);
+    const unsigned shift = static_cast<unsigned>(from % 16);  // bytes, nonzero here
+    const uint4* __restrict__ chunks = reinterpret_cast<const uint4*>(from - shift);
+    uint4* __restrict__ out = reinterpret_cast<uint4*>(dst + head);
+    const unsigned word = shift / 4;
+    const unsigned bits = (shift % 4) * 8;
+    pfsm_i64 k = tid;
+    for (; k + (U - 1) * nthreads < nvec; k += U * nthreads) {
+        uint4 lo[U], hi[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            lo[u] = chunks[k + u * nthreads];
+            hi[u] = chunks[k + u * nthreads + 1];
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) out[k + u * nthreads] = shift_words(lo[u], hi[u], word, bits);
+    }
+    for (; k < nvec; k += nthreads) out[k] = shift_words(chunks[k], chunks[k + 1], word, bits);
+    for (pfsm_i64 k2 = head + nvec * V + tid; k2 < n; k2 += nthreads) dst[k2] = src[k2];
+}
+
+template <typename S, typename D> struct SameType { static constexpr bool value = false; };
+template <typename T> struct SameType<T, T> { static constexpr bool value = true; };
+
 // Copies n contiguous elements with all threads of the block. When source and
 // destination share the same misalignment (in elements) modulo the vector width,
 // a scalar head brings both to a vector boundary and the body moves V elements
-// per access (16 bytes on the wider side); otherwise it falls back to coalesced
+// per access (16 bytes on the wider side); a same-dtype copy with different
+// misalignments takes shifted_copy_run; anything else falls back to coalesced
 // scalar accesses. Per-parameter addresses arrive as integers, so the compiler
 // is told they are global memory; without that it emits generic accesses.
 template <typename S, typename D>
@@ -107,6 +179,12 @@ __device__ __forceinline__ void copy_run(const S* __restrict__ src, D* __restric
     const pfsm_u64 sa = (reinterpret_cast<pfsm_u64>(src) / sizeof(S)) % V;
     const pfsm_u64 da = (reinterpret_cast<pfsm_u64>(dst) / sizeof(D)) % V;
     pfsm_i64 done = 0;
+    if constexpr (SameType<S, D>::value) {
+        if (sa != da && n >= 2 * V) {
+            shifted_copy_run<S>(src, dst, n);
+            return;
+        }
+    }
     if (sa == da) {
         pfsm_i64 head = static_cast<pfsm_i64>((V - sa) % V);
         if (head > n) head = n;
