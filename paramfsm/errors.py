@@ -85,13 +85,21 @@ class NotGathered(ParamFSMError):
     forward or backward.
     """
 
-    def __init__(self, *, param: str, unit: str, rank: int, op: str):
+    def __init__(self, *, param: str, unit: str, rank: int, op: str, grad: bool = False):
         self.param, self.unit, self.rank, self.op = param, unit, rank, op
+        if grad:
+            super().__init__(
+                f"the gradient of parameter '{param}' (unit '{unit}') lives on rank {rank}'s shard: {op} would "
+                "read this rank's slice as if it were the whole gradient. What to do: read the full gradient "
+                f"with rt.full_grad('{param}') (collective), clip with rt.clip_grad_norm_(max_norm) (the global "
+                "norm over all ranks), or work on the shards (rt.shard_parameters()). Zeroing, clamping "
+                "(clip_grad_value_) and optimizer steps through model.parameters() work as they are.")
+            return
         super().__init__(
             f"parameter '{param}' (unit '{unit}') is not gathered on rank {rank}: {op} was used on it "
             "outside its unit's forward/backward, where paramfsm keeps only this rank's shard. "
             f"What to do: read a full copy with rt.full_param('{param}') (collective: every rank calls it), "
             "or use it in place inside `with rt.gathered(module):` (collective). If another unit's forward "
-            "uses it, make both modules one unit (paramfsm.shard(..., units=...)). Optimizers take "
-            "rt.shard_parameters(); state dicts come from rt.full_state_dict() or rt.sharded_state_dict()."
+            "uses it, make both modules one unit (paramfsm.shard(..., units=...)). "
+            "State dicts come from rt.full_state_dict() or rt.sharded_state_dict()."
         )

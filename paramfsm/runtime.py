@@ -22,7 +22,7 @@ from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import State, load_spec
 from paramfsm.core.trace import Trace
 from paramfsm.engine import graph_task as gt
-from paramfsm.engine import hooks, placeholder
+from paramfsm.engine import hooks, partitioned, placeholder
 from paramfsm.engine.collectives import all_gather_flat, resolve_group
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.scheduler import Scheduler
@@ -103,7 +103,7 @@ class Runtime:
         if debug:
             self.executor.rank_check = "header"
         for rec in by_id.values():
-            placeholder.register(rec.param, rec.name, rec.unit, self.rank)
+            partitioned.adopt(rec.param, rec, self.rank)
             self.executor.free(rec)
         self._handles = hooks.install(model, self.units, list(by_id.values()), self.scheduler.emit)
         if param_dtype is not None:
@@ -271,6 +271,7 @@ class Runtime:
         self.scheduler.closed = True
         _SHARDED.pop(self.model, None)
         for rec in self._by_id.values():
+            partitioned.release(rec.param)
             _PARTITIONED.pop(rec.param, None)
 
     def close(self) -> nn.Module:
@@ -284,6 +285,7 @@ class Runtime:
         self.scheduler.closed = True
         for rec in self._by_id.values():
             placeholder.reveal(rec.param)
+            partitioned.release(rec.param)
             rec.param.data = fulls[id(rec)]
             if rec.shard.grad is not None:
                 rec.param.grad = self._gather_flat(rec.shard.grad, rec)

@@ -90,16 +90,11 @@ class _Unit:
         self.live_graphs = live_graphs
 
 
-class _Param:
-    def __init__(self, data):
-        self.data = data
-
-
 class _Record:
     """A stand-in for a parameter record, to show each invariant check can fail."""
 
     def __init__(self, data, pending=None, live_graphs=0):
-        self.name, self.param, self.shape = "w", _Param(data), (2, 3)
+        self.name, self.param, self.shape = "w", torch.nn.Parameter(data), (2, 3)
         self.shard = torch.nn.Parameter(torch.zeros(3))
         self.shard_numel, self.requires_grad = 3, True
         self.pending, self.units = pending, (_Unit(live_graphs),)

@@ -41,6 +41,7 @@ import torch
 
 from paramfsm.engine import kernels, placeholder, rankcheck
 from paramfsm.engine.collectives import all_gather_flat, reduce_scatter_flat
+from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.engine.streams import GATHER, REDUCE, HostStreams
 
 #: Reduce-scatters issued and not yet waited on, at most (each holds a full-size gradient bucket).
@@ -275,10 +276,10 @@ class Executor:
     # ------------------------------------------------------------------ reduce
     def take_grad(self, rec) -> None:
         """The reduce_grad effect: move ``param.grad`` into the pending reduce bucket."""
-        grad = rec.param.grad
+        grad = real_grad(rec.param)
         if grad is None:
             return
-        rec.param.grad = None
+        set_real_grad(rec.param, None)
         if grad.requires_grad:
             grad = grad.detach()
         if self.local:

@@ -11,9 +11,9 @@ of an empty tensor is 0).
 The ``free`` effect, which makes ``param.data`` empty, also switches the
 parameter's class to a subclass of its own class whose ``__torch_function__``
 raises :class:`NotGathered` for every operation except metadata (property
-access such as ``.data``, ``.grad``, ``.shape``; hook registration;
-``repr``; naming it as an autograd input), and which refuses to be pickled.
-``install`` switches it back before the full tensor goes in. So a gathered
+access such as ``.grad``, ``.shape``; hook registration; ``repr``; naming it
+as an autograd input), and which refuses to be pickled. ``install`` switches
+it back before the full tensor goes in. So a gathered
 parameter is its plain class and pays nothing per operation; only operations
 on an empty one take the Python path, and all of those are errors. Identity,
 ``isinstance(p, nn.Parameter)``, autograd metadata and hooks are unchanged
@@ -24,26 +24,29 @@ cycle (measured on CPU: a ``.data`` swap pair 275 ns, with the switch 467 ns).
 A ``TorchFunctionMode`` outside forwards was rejected: it would run Python
 for every operation of the loss and optimizer step.
 
-Limits: ``type(p) is nn.Parameter`` is False while the parameter is empty;
-code that reads only metadata (``p.numel()`` is 0, ``p.shape`` is ``(0,)``)
-is not stopped; ``copy.deepcopy`` of a sharded model copies the empty
-placeholders; code that only looks at ``p.grad`` (an optimizer built on
-``model.parameters()`` instead of ``rt.shard_parameters()``,
-``torch.nn.utils.clip_grad_norm_(model.parameters())``) sees ``None`` and
-does nothing, since gradients live on the shards (use
-``rt.clip_grad_norm_``).
+[Note: logical metadata at rest]
+Like a DTensor, an empty parameter reports its logical (full) shape:
+``shape``, ``size()``, ``dim()``, ``ndim``, ``numel()``, ``nelement()`` and
+``nbytes`` answer for the full parameter, so parameter counts
+(``sum(p.numel() for p in model.parameters())``, Hugging Face's
+``num_parameters()``) are right. ``p.data`` is the empty storage behind the
+same guard (:class:`NotGatheredData`): its shape is logical too, and reading
+its values raises instead of returning an empty tensor or 0. paramfsm's own
+code reaches the real storage through :func:`storage`.
+
+Limits: ``type(p) is nn.Parameter`` is False while the model is sharded
+(:mod:`paramfsm.engine.partitioned`); ``copy.deepcopy`` of a sharded model
+copies the empty placeholders.
 """
 
 from __future__ import annotations
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
-from torch.utils.weak import WeakIdKeyDictionary
 
+from paramfsm.engine.partitioned import OWNERS, owner, record_of
 from paramfsm.errors import NotGathered
 
-#: parameter -> (qualified name, unit name, rank), for error messages (keyed by identity).
-_OWNERS = WeakIdKeyDictionary()
 _GUARDED: dict[type, type] = {}  # plain class -> guard class
 _PLAIN: dict[type, type] = {}  # guard class -> plain class
 
@@ -52,22 +55,26 @@ _PLAIN: dict[type, type] = {}  # guard class -> plain class
 _METADATA = frozenset({
     "__repr__", "__format__", "__hash__",
     "register_hook", "register_post_accumulate_grad_hook", "requires_grad_",
-    "size", "dim", "numel", "element_size", "is_floating_point", "is_complex", "data_ptr",
+    "element_size", "is_floating_point", "is_complex", "data_ptr",
     "grad", "backward",
 })
 #: Properties that are metadata (``.T``, ``.mT``, ``.real`` compute views of the values: not allowed).
 _PROPERTIES = frozenset({
-    "data", "grad", "_grad", "requires_grad", "is_leaf", "grad_fn", "_grad_fn", "retains_grad",
-    "shape", "dtype", "device", "layout", "ndim", "names", "itemsize", "nbytes", "_version", "output_nr",
+    "grad", "_grad", "requires_grad", "is_leaf", "grad_fn", "_grad_fn", "retains_grad",
+    "dtype", "device", "layout", "names", "itemsize", "_version", "output_nr",
     "_base", "_backward_hooks", "_post_accumulate_grad_hooks",
     "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps",
 })
 _ACCESSORS = frozenset({"__get__", "__set__", "__delete__"})
+#: Answered for the full parameter (see [Note: logical metadata at rest]).
+_LOGICAL_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
+_LOGICAL_PROPERTIES = frozenset({"shape", "ndim", "nbytes", "data"})
 
 
-def register(param: torch.Tensor, name: str, unit: str, rank: int) -> None:
-    """Remember who owns ``param``, for the message of :class:`NotGathered`."""
-    _OWNERS[param] = (name, unit, rank)
+def storage(param: torch.Tensor) -> torch.Tensor:
+    """The tensor really behind ``param.data`` (empty at rest), for paramfsm's own checks."""
+    with DisableTorchFunctionSubclass():
+        return torch.Tensor.data.__get__(param)
 
 
 def conceal(param: torch.Tensor) -> None:
@@ -101,15 +108,46 @@ def _guard_class(cls: type) -> type:
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
     name = getattr(func, "__name__", None)
-    if name in _METADATA or (name in _ACCESSORS and _property_name(func) in _PROPERTIES):
+    if name in _ACCESSORS:
+        prop = _property_name(func)
+        if name == "__get__" and prop in _LOGICAL_PROPERTIES and (rec := record_of(args[0])) is not None:
+            return _logical_property(prop, args[0], rec)
+        if prop in _PROPERTIES or (name == "__set__" and prop == "data"):
+            with DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+    elif name in _LOGICAL_METHODS and (rec := record_of(args[0])) is not None:
+        return _logical_method(name, rec, *args[1:], **(kwargs or {}))
+    elif name in _METADATA:
         with DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
     raise _error(func, args, kwargs)
 
 
+def _logical_method(name: str, rec, dim=None):
+    shape = rec.shape
+    if name == "size":
+        return shape if dim is None else shape[dim]
+    if name in ("dim", "ndimension"):
+        return len(shape)
+    return rec.numel  # numel, nelement
+
+
+def _logical_property(name: str, tensor: torch.Tensor, rec):
+    if name == "shape":
+        return rec.shape
+    if name == "ndim":
+        return len(rec.shape)
+    if name == "nbytes":
+        return rec.numel * tensor.element_size()
+    # data: the empty storage, behind the same guard and reporting the same logical shape
+    view = storage(tensor).as_subclass(NotGatheredData)
+    OWNERS[view] = OWNERS[tensor]
+    return view
+
+
 def _refuse_pickle(param, protocol):
     """``torch.save(model)`` / pickling would silently store the empty placeholder."""
-    name, unit, rank = _OWNERS.get(param, ("<unknown>", "<unknown>", -1))
+    name, unit, rank = owner(param)
     raise NotGathered(param=name, unit=unit, rank=rank, op="pickling (torch.save of the model)")
 
 
@@ -124,14 +162,16 @@ def _error(func, args, kwargs) -> NotGathered:
     for value in list(flat):
         if isinstance(value, (list, tuple)):
             flat.extend(value)
-    param = next((a for a in flat if isinstance(a, torch.Tensor) and a.__class__ in _PLAIN), None)
-    name, unit, rank = _OWNERS.get(param, ("<unknown>", "<unknown>", -1)) if param is not None \
-        else ("<unknown>", "<unknown>", -1)
+    param = next((a for a in flat if isinstance(a, torch.Tensor) and a in OWNERS), None)
+    name, unit, rank = owner(param)
     op = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     if op.endswith(("__get__", "__set__")):
         op = f"the property .{_property_name(func)}"
     return NotGathered(param=name, unit=unit, rank=rank, op=op)
 
 
-#: The guard class of ``nn.Parameter`` (the common case), importable by name.
-NotGatheredParameter = _guard_class(torch.nn.Parameter)
+class NotGatheredData(torch.Tensor):
+    """``p.data`` of an empty parameter: the same guard, on a plain tensor."""
+
+    __torch_function__ = classmethod(_torch_function)
+    __reduce_ex__ = _refuse_pickle

@@ -23,15 +23,16 @@ import torch
 
 from paramfsm.core.spec import State
 from paramfsm.core.trace import replay
+from paramfsm.engine.placeholder import storage
 
 
 def _data_empty(rec) -> str | None:
-    numel = rec.param.data.numel()
+    numel = storage(rec.param).numel()
     return None if numel == 0 else f"param.data holds {numel} elements, expected an empty tensor"
 
 
 def _data_full(rec) -> str | None:
-    shape = tuple(rec.param.data.shape)
+    shape = tuple(storage(rec.param).shape)
     return None if shape == tuple(rec.shape) else f"param.data has shape {shape}, expected {tuple(rec.shape)}"
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from paramfsm.core.spec import State
 from paramfsm.engine import events, executor, graph_task, hooks
 from paramfsm.engine.executor import Executor
+from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.engine.scheduler import Scheduler
 
 
@@ -109,10 +110,10 @@ def _deferred_never_flushed():
 def _tied_reduced_twice():
     def make(original):
         def take_grad(self, rec):
-            grad = rec.param.grad
+            grad = real_grad(rec.param)
             original(self, rec)
             for _ in rec.units[1:]:
-                rec.param.grad = grad
+                set_real_grad(rec.param, grad)
                 original(self, rec)
         return take_grad
     return _patched(Executor, "take_grad", make)
