@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import checkpoint, grad_norm
+from paramfsm import checkpoint, grad_norm, optim
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import State, load_spec
 from paramfsm.core.trace import Trace
@@ -110,6 +110,7 @@ class Runtime:
             self._handles.append(model.register_forward_pre_hook(
                 partial(_cast_inputs, param_dtype), with_kwargs=True))
         _SHARDED[model] = True
+        optim.install()
         for rec in by_id.values():
             _PARTITIONED[rec.param] = type(model).__name__
 
@@ -239,8 +240,29 @@ class Runtime:
             gt.explicit_keep_graph.pop()
 
     def flush(self) -> None:
-        """Return every deferred parameter to NOT_AVAILABLE now."""
+        """Return every deferred parameter to NOT_AVAILABLE now.
+
+        It releases what a retained graph keeps gathered for a later backward
+        (DEFERRED_RELEASE) and nothing else: parameters held by a forward or
+        backward in progress, or by ``rt.gathered``, stay. A backward over a
+        retained graph after a flush gathers again. After an exception, use
+        :meth:`reset`.
+        """
         self.scheduler.request_flush()
+
+    def reset(self) -> None:
+        """Return every parameter to NOT_AVAILABLE now, after an exception inside forward or backward.
+
+        An exception leaves parameters gathered (prefetched, held by the
+        interrupted unit, deferred). The next forward recovers by itself; this
+        releases the memory at once, e.g. before handling the error. It issues
+        no collective: all-gathers and reduce-scatters already issued (every
+        rank issued them) are waited for and their results dropped, and the
+        gradients of an interrupted backward never reach the shard gradients.
+        If a peer rank died, an issued collective may never complete: use
+        :meth:`detach` instead. Call it between iterations, not inside forward or backward.
+        """
+        self.scheduler.recover("rt.reset()")
 
     @contextlib.contextmanager
     def gathered(self, *modules: nn.Module):
@@ -265,14 +287,19 @@ class Runtime:
         For error recovery when a peer rank failed and a collective could hang;
         parameters stay as they are (their shards are lost). Prefer ``close()``.
         """
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._remove_hooks()
         self.scheduler.closed = True
         _SHARDED.pop(self.model, None)
         for rec in self._by_id.values():
             partitioned.release(rec.param)
             _PARTITIONED.pop(rec.param, None)
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for rec in self._by_id.values():
+            hooks.unwatch_grads(rec)
 
     def close(self) -> nn.Module:
         """Restore plain full parameters in the model and remove every hook; returns the model."""
@@ -280,8 +307,7 @@ class Runtime:
             return self.model
         self.flush()
         fulls = {id(rec): self.full_param(rec) for rec in self._by_id.values()}
-        for handle in self._handles:
-            handle.remove()
+        self._remove_hooks()
         self.scheduler.closed = True
         for rec in self._by_id.values():
             placeholder.reveal(rec.param)

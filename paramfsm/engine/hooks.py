@@ -10,7 +10,8 @@ Per unit module:
   checkpoint recomputation included) and ties a :class:`ForwardCall` to the
   graph, whose collection emits ``GRAPH_FREED``.
 
-Per parameter that requires grad: a post-accumulate-grad hook emits
+Per parameter that requires grad (:func:`watch_grads`; the scheduler adds
+and removes them when ``requires_grad`` changes): a post-accumulate-grad hook emits
 ``GRAD_READY`` once autograd has accumulated the parameter's gradient for the
 graph task (after all of its uses, tied weights included). A tensor hook
 routes the gradient when it is recorded (``create_graph=True``) so that a
@@ -157,7 +158,23 @@ def install(root: torch.nn.Module, units, records, emit) -> list:
         lambda module, args, output: emit(Event(FORWARD_END, None, gt.current_task()))))
     for rec in records:
         if rec.requires_grad:
-            handles.append(rec.param.register_post_accumulate_grad_hook(
-                partial(_on_grad_accumulated, emit, rec)))
-            handles.append(rec.param.register_hook(partial(higher_order.on_param_grad, emit, rec.units)))
+            watch_grads(rec, emit)
     return handles
+
+
+def watch_grads(rec, emit) -> None:
+    """Register the gradient hooks of a parameter that requires grad (at shard, or when unfrozen).
+
+    The handles live on the record, so freezing it again removes them (:func:`unwatch_grads`).
+    """
+    if not rec.grad_hooks:
+        rec.grad_hooks = [
+            rec.param.register_post_accumulate_grad_hook(partial(_on_grad_accumulated, emit, rec)),
+            rec.param.register_hook(partial(higher_order.on_param_grad, emit, rec.units)),
+        ]
+
+
+def unwatch_grads(rec) -> None:
+    for handle in rec.grad_hooks:
+        handle.remove()
+    rec.grad_hooks = []

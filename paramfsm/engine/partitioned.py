@@ -33,6 +33,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils.weak import WeakIdKeyDictionary
 
+from paramfsm.engine import hooks
 from paramfsm.errors import NotGathered, ParamFSMError
 
 _TENSOR_GRAD = torch._C.TensorBase.grad
@@ -211,11 +212,25 @@ def _flatten(args, kwargs) -> list:
     return flat
 
 
-def take_requires_grad_changes(mine: set) -> list:
-    """The records in ``mine`` whose parameter's requires_grad changed; forgets them.
+def apply_requires_grad_changes(mine: set, emit) -> None:
+    """Freezing or unfreezing since the last root forward: the shard and the gradient hooks follow.
 
-    Callers check ``REQUIRES_GRAD_CHANGED`` first, so the common case costs one truth test.
+    [Note: requires_grad changes apply at the next root forward]
+    User code flips ``requires_grad`` between iterations (gradual unfreezing).
+    The record's flag decides whether pre-backward takes a gradient hold and
+    whether the gradient hooks exist, so the scheduler applies changes once per
+    iteration, at the root forward's start, where no backward is in progress.
+    The shard's flag follows, so an optimizer treats the shard as plain torch
+    treats the parameter. Callers check ``REQUIRES_GRAD_CHANGED`` first, so the
+    common case costs one truth test.
     """
     changed = [rec for rec in REQUIRES_GRAD_CHANGED if rec in mine]
     REQUIRES_GRAD_CHANGED.difference_update(changed)
-    return changed
+    for rec in changed:
+        wanted = real_requires_grad(rec.param)
+        rec.requires_grad = wanted
+        rec.shard.requires_grad_(wanted)
+        if wanted:
+            hooks.watch_grads(rec, emit)
+        else:
+            hooks.unwatch_grads(rec)

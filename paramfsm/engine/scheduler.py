@@ -48,6 +48,7 @@ from paramfsm.core.fsm import StepContext, step
 from paramfsm.core.machine import CrossCheckedStep
 from paramfsm.core.spec import State
 from paramfsm.engine import graph_task as gt
+from paramfsm.engine import partitioned
 from paramfsm.engine.audit import audit_leaks
 from paramfsm.engine.events import (
     BACKWARD_END,
@@ -75,6 +76,7 @@ class Scheduler:
     def __init__(self, table, units, records, executor, *, rank: int, retain: str, prefetch: int,
                  max_deferred_bytes, bucket_bytes: int, trace=None, strict: bool = False):
         self.table, self.units, self.records, self.executor = table, units, records, executor
+        self._records = set(records)
         self.ctx = StepContext(rank, trace)
         self.defer_allowed = retain == "defer"
         self.prefetch = prefetch
@@ -245,6 +247,8 @@ class Scheduler:
             return  # a forward recomputed inside backward (activation checkpointing)
         if self.forward_open or self.tasks:
             self.recover("the previous forward or backward did not finish (an exception?)")
+        if partitioned.REQUIRES_GRAD_CHANGED:
+            partitioned.apply_requires_grad_changes(self._records, self.emit)
         self.flush()
         self.ctx.step += 1
         self.forward = PassState()
