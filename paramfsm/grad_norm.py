@@ -5,6 +5,12 @@ padding), so the p-norm of the whole model's gradient is
 ``(sum over ranks of sum |g|^p) ** (1/p)``: one all-reduce of one scalar
 (a maximum for the infinity norm). Every rank then scales its own shard
 gradients by the same coefficient, exactly as torch scales the full ones.
+
+torch defines the total norm as the norm of the per-parameter norms. For
+p > 0 and infinity that equals the flat formula above. For p = 0 it does not:
+the per-parameter "norm" counts nonzero elements and the total counts the
+parameters whose gradient has any, so the shards' nonzero counts are summed
+per parameter (one all-reduce of a vector) before counting.
 """
 
 from __future__ import annotations
@@ -27,7 +33,13 @@ def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, group=No
     norm_type = float(norm_type)
     grads = [s.grad for s in shards if s.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
-    if norm_type == math.inf:
+    if norm_type == 0.0:
+        counts = torch.tensor([float(torch.count_nonzero(s.grad)) if s.grad is not None else 0.0
+                               for s in shards], dtype=torch.float64, device=device)
+        if world > 1:
+            all_reduce_sum(counts, group)
+        total = torch.count_nonzero(counts).float()
+    elif norm_type == math.inf:
         maxima = [g.detach().abs().max().float() for g in grads if g.numel()]
         local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
         total = local.clone().reshape(1)

@@ -44,7 +44,7 @@ def optimizers_job(rank, world, names):
     errors = {}
     for name in names:
         torch.manual_seed(0)
-        pair = Pair(mlp(width=8, depth=3, d_in=4, d_out=3), rank, world, make_optimizer=OPTIMIZERS[name])
+        pair = Pair(mlp(width=7, depth=3, d_in=4, d_out=3), rank, world, make_optimizer=OPTIMIZERS[name])
         for step in range(3):
             x, = batch(step, world, 2, (4,))
             pair.zero_grad()
@@ -80,10 +80,22 @@ def clip_job(rank, world, norm_type, max_norm):
     return report
 
 
-@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf], ids=["l2", "l1", "l3", "inf"])
+NORM_TYPES = {"l0": 0.0, "l0.5": 0.5, "l1": 1.0, "l2": 2.0, "l3": 3.0, "inf": math.inf}
+
+
+@pytest.mark.parametrize("norm_type", list(NORM_TYPES.values()), ids=list(NORM_TYPES))
 def test_clip_grad_norm_over_shards(ranks2, norm_type):
-    report = ranks2.run(clip_job, norm_type, 0.05)[0]
-    assert all(n > 0.05 for n in report["norms"]), "the test must actually clip"
+    """max_norm below the total norm: the gradients are scaled down exactly as torch scales them."""
+    max_norm = 0.05 if norm_type else 1.0
+    report = ranks2.run(clip_job, norm_type, max_norm)[0]
+    assert all(n > max_norm for n in report["norms"]), "the test must actually clip"
+
+
+@pytest.mark.parametrize("norm_type", [0.0, 2.0, math.inf], ids=["l0", "l2", "inf"])
+def test_clip_grad_norm_above_the_total_leaves_gradients_alone(ranks3, norm_type):
+    """max_norm above the total norm (world 3, padded shards): nothing may be scaled, up or down."""
+    report = ranks3.run(clip_job, norm_type, 1e6)[0]
+    assert all(n < 1e6 for n in report["norms"])
 
 
 def mixed_precision_job(rank, world, reduce_dtype):

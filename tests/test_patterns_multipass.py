@@ -26,7 +26,7 @@ def _adam(params):
 def contrastive_job(rank, world, retain):
     """Two (and three) forwards of one model, one backward on a loss that mixes their outputs."""
     torch.manual_seed(0)
-    pair = Pair(mlp(width=8, depth=3, d_in=4, d_out=4), rank, world, make_optimizer=_adam, retain=retain)
+    pair = Pair(mlp(width=7, depth=3, d_in=4, d_out=4), rank, world, make_optimizer=_adam, retain=retain)
     model, ref = pair.model, pair.ref.model
     for step in range(2):
         a, b, c = batch(step, world, 2, (4,), (4,), (4,))
@@ -50,7 +50,7 @@ def contrastive_job(rank, world, retain):
 def interleaved_job(rank, world, retain):
     """f1, f2, backward(l1), f3, backward(l2 + l3): a forward between backward passes of live graphs."""
     torch.manual_seed(0)
-    pair = Pair(mlp(width=8, depth=3, d_in=4, d_out=3), rank, world, make_optimizer=_adam, retain=retain)
+    pair = Pair(mlp(width=7, depth=3, d_in=4, d_out=3), rank, world, make_optimizer=_adam, retain=retain)
     model, ref = pair.model, pair.ref.model
     for step in range(2):
         xs = batch(step, world, 2, (4,), (4,), (4,))

@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from paramfsm import cli
+from paramfsm import State, cli
 from paramfsm.core.fsm import default_table
 from paramfsm.core.spec import INVARIANTS
 from paramfsm.testing import checks
@@ -207,3 +208,47 @@ def test_cli_verify(capsys):
     assert err.startswith("paramfsm: error: reference check failed at op") and "Traceback" not in err
     assert cli.main(["verify", "no_such_module:factory"]) == 2
     assert "No module named" in capsys.readouterr().err
+
+
+# The invariants DESIGN §2/§3 promise per state. A spec edit that drops one must fail here, not pass
+# silently because the remaining ones still hold.
+PROMISED_INVARIANTS = {
+    "NOT_AVAILABLE": {"data_empty", "shard_intact", "no_handle"},
+    "INFLIGHT": {"data_empty", "shard_intact", "pending_handle"},
+    "AVAILABLE": {"data_full", "shard_intact", "no_handle"},
+    "DEFERRED_RELEASE": {"data_full", "shard_intact", "no_handle", "retained_graph_live"},
+}
+_GOOD_BAD = {  # invariant -> (attributes that satisfy it, attributes that break only it)
+    "data_empty": ({"data": torch.empty(0)}, {"data": torch.zeros(2, 3)}),
+    "data_full": ({"data": torch.zeros(2, 3)}, {"data": torch.empty(0)}),
+    "shard_intact": ({"shard": 3}, {"shard": 4}),
+    "no_handle": ({"pending": None}, {"pending": object()}),
+    "pending_handle": ({"pending": object()}, {"pending": None}),
+    "retained_graph_live": ({"live": 1}, {"live": 0}),
+}
+
+
+def test_the_spec_names_the_promised_invariants():
+    spec = default_table().spec
+    assert {name: set(state.invariants) for name, state in spec.states.items()} == PROMISED_INVARIANTS
+
+
+def _record_in(state: str, attrs: dict):
+    rec = _Record(attrs.get("data", torch.empty(0)), pending=attrs.get("pending"), live_graphs=attrs.get("live", 0))
+    rec.shard = torch.nn.Parameter(torch.zeros(attrs.get("shard", 3)))
+    rec.state = State[state]
+    return rec
+
+
+@pytest.mark.parametrize("state, invariant", [(s, i) for s, invs in PROMISED_INVARIANTS.items() for i in sorted(invs)])
+def test_a_state_breaking_one_invariant_is_reported_by_name(state, invariant):
+    attrs = {}
+    for other in PROMISED_INVARIANTS[state]:
+        attrs.update(_GOOD_BAD[other][0])
+    rt = types.SimpleNamespace(table=default_table(), scheduler=types.SimpleNamespace(records=[]))
+    rt.scheduler.records = [_record_in(state, attrs)]
+    assert checks.state_invariants(rt) == [], "the all-good record must pass"
+    attrs.update(_GOOD_BAD[invariant][1])
+    rt.scheduler.records = [_record_in(state, attrs)]
+    problems = checks.state_invariants(rt)
+    assert len(problems) == 1 and f"breaks invariant {invariant}" in problems[0], problems

@@ -15,7 +15,10 @@ from torch import nn
 from paramfsm.testing.models import Block, TinyTransformer, mlp
 from paramfsm.testing.subject import Subject
 
-VOCAB, SEQ, DIM = 32, 8, 16
+# Odd sizes on purpose: with a width of 13 and a vocabulary of 29, most parameters (embedding and
+# head 377, projections 169, norms and biases 13) divide by neither 2 nor 3, so every run at world 2
+# or 3 pads shards and exercises the padded pack, unpack, reduce and state-dict paths.
+VOCAB, SEQ, DIM = 29, 8, 13
 
 
 def token_batch(generator: torch.Generator, n: int):
@@ -40,12 +43,12 @@ def tiny_transformer_tied() -> Subject:
 
 
 def regression_batch(generator: torch.Generator, n: int):
-    return torch.randn(n, 4, generator=generator), torch.randn(n, 3, generator=generator)
+    return torch.randn(n, 5, generator=generator), torch.randn(n, 5, generator=generator)
 
 
 def mlp_regression() -> Subject:
-    """A tanh MLP with a mean-squared-error loss."""
-    return Subject(mlp(width=8, depth=3, d_in=4, d_out=3), regression_batch, F.mse_loss)
+    """A tanh MLP with a mean-squared-error loss (sizes 35, 49, 7, 5: none divisible by 2 or 3)."""
+    return Subject(mlp(width=7, depth=3, d_in=5, d_out=5), regression_batch, F.mse_loss)
 
 
 class BranchyLM(nn.Module):
