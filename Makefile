@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo bench lint mutants verify gpu-check clean
+.PHONY: install test demo bench lint mutants mutate verify gpu-check clean
 
 install: $(STAMP)
 
@@ -41,6 +41,15 @@ lint: install
 mutants: install
 	$(PY) -m paramfsm.testing.mutants
 
+# Mutation testing (not part of make test): mutmut mutates the modules listed under [tool.mutmut]
+# in pyproject.toml and runs their in-process tests against each mutant; results stay in mutants/.
+MUTMUT := mutmut==3.8.1
+mutate: install
+	$(PY) -m pip install --quiet "$(MUTMUT)"
+	rm -rf mutants
+	$(VENV)/bin/mutmut run > /dev/null 2>&1 || true
+	@$(PY) -m paramfsm.testing.mutation_score
+
 verify: install
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:tiny_transformer --examples 50
 
@@ -54,4 +63,4 @@ gpu-check:
 	@$(GPU_PYTHON) -m paramfsm.testing.gpu_check
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache .hypothesis
+	rm -rf $(VENV) demo-out .pytest_cache .hypothesis mutants
