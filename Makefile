@@ -47,7 +47,7 @@ MUTMUT := mutmut==3.8.1
 mutate: install
 	$(PY) -m pip install --quiet "$(MUTMUT)"
 	rm -rf mutants
-	$(VENV)/bin/mutmut run > /dev/null 2>&1 || true
+	$(VENV)/bin/mutmut run
 	@$(PY) -m paramfsm.testing.mutation_score
 
 verify: install
