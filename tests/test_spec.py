@@ -44,8 +44,10 @@ def expect_spec_error(raw: dict, tmp_path, entry: str, *reason_parts: str) -> Sp
     message = str(err)
     assert err.file == file and message.startswith(file), message
     assert entry in err.entry and entry in message, message
+    if not entry.startswith("("):  # a row's entry may name its (state, event) after it
+        assert err.entry == entry or err.entry.startswith(entry + " ("), (err.entry, entry)
     for part in reason_parts:
-        assert part in message, message
+        assert part in err.reason, message
     return err
 
 
@@ -286,4 +288,46 @@ def test_misshapen_values_are_named(tmp_path, where, edit, message):
 def test_unreadable_file_is_a_spec_error(tmp_path):
     with pytest.raises(SpecError, match="cannot read") as info:
         load_spec(tmp_path)  # a folder
-    assert info.value.file == str(tmp_path)
+    assert info.value.file == str(tmp_path) and info.value.entry == "file"
+    assert info.value.reason.startswith("cannot read: ") and info.value.reason != "cannot read: "
+
+
+def test_load_errors_name_file_entry_and_reason(tmp_path):
+    with pytest.raises(SpecError) as info:
+        load_spec(tmp_path / "absent.toml")
+    assert (info.value.entry, info.value.reason) == ("file", "no such file")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(SpecError) as info:
+        load_spec(binary)
+    assert info.value.file == str(binary) and info.value.entry == "file"
+    assert info.value.reason.startswith("not UTF-8 text: ") and "decode" in info.value.reason
+
+
+@pytest.mark.parametrize("where, edit, message", [
+    ("machine", lambda r: r.__delitem__("machine"), "missing or empty [machine] table"),
+    ("events", lambda r: r.__setitem__("events", {}), "missing or empty [events] table"),
+    ("transition", lambda r: r.__setitem__("transition", {"src": "X"}), "use [[transition]] (an array of tables)"),
+    ("transition #1", lambda r: r["transition"][0].__setitem__("colour", "red"),
+     "unknown key 'colour'; allowed: ['dst', 'effects', 'event', 'holds', 'reason', 'src', 'when']"),
+    ("transition #1", lambda r: r["transition"][0].__setitem__("src", []),
+     "src must be a name or a non-empty list of names"),
+    ("transition #1", lambda r: r["transition"][0].__setitem__("event", 3),
+     "event must be a name or a non-empty list of names"),
+])
+def test_structural_errors_are_named_exactly(tmp_path, where, edit, message):
+    err = expect_spec_error(broken_dict(edit), tmp_path, where)
+    assert err.reason == message, err.reason
+
+
+def test_a_reason_travels_into_the_compiled_table(tmp_path):
+    table = compile_table(load_spec())
+    outcome = table.outcome(State.NOT_AVAILABLE, "arrive", 0, False, False)
+    assert outcome.kind == "error" and outcome.reason and outcome.reason != "XXXX"
+    assert outcome.entry.startswith("error #") and "(NOT_AVAILABLE, arrive)" in outcome.entry
+
+
+def test_a_wildcard_source_covers_every_state():
+    spec = load_spec()
+    wildcard = [r for r in spec.rules if r.event == "reset"]
+    assert {r.src for r in wildcard} == {s.name for s in State}

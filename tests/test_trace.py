@@ -251,3 +251,53 @@ def test_shorter_trace_diverges_where_it_ends():
     assert (divergence.index, divergence.field, divergence.a, divergence.b) == (len(a) - 3, "length", a[-3], None)
     assert "trace B ends after" in str(divergence)
     assert diff(a[:-3], a).b == a[-3]
+
+
+def _rec(seq, t_ns, rank, param, event, src, dst, effects=(), step=1, task=-1):
+    return TraceRecord(seq=seq, t_ns=t_ns, rank=rank, step=step, graph_task=task, param=param, unit="u",
+                       event=event, src=src, dst=dst, effects=tuple(effects), nbytes=64)
+
+
+def test_perfetto_document_exactly(tmp_path):
+    """The whole Chrome trace-event document for a small trace: every key the viewer reads."""
+    records = [
+        _rec(0, 1_000, 0, "w", "fetch", "NOT_AVAILABLE", "INFLIGHT", ["start_gather"]),
+        _rec(1, 3_000, 0, "w", "arrive", "INFLIGHT", "AVAILABLE", ["unpack"]),
+        _rec(2, 9_000, 0, "w", "release", "AVAILABLE", "NOT_AVAILABLE", ["free"], task=4),
+        _rec(3, 5_000, 1, "b", "fetch", "NOT_AVAILABLE", "AVAILABLE"),
+    ]
+    path = Trace().to_perfetto(tmp_path / "nested" / "dir" / "t.json")
+    assert json.loads(path.read_text(encoding="utf-8")) == {"traceEvents": [], "displayTimeUnit": "ns"}
+    trace = Trace()
+    trace.records.extend(records)
+    doc = json.loads(trace.to_perfetto(tmp_path / "t.json").read_text(encoding="utf-8"))
+
+    def span(state, pid, tid, ts, dur, first, **extra):
+        return {"ph": "X", "name": state, "cat": "lifetime", "pid": pid, "tid": tid, "ts": ts, "dur": dur,
+                "args": {"entered_by": first.event, "step": first.step, "graph_task": first.graph_task,
+                         "bytes": 64, **extra}}
+
+    def instant(name, r, tid):
+        return {"ph": "i", "s": "t", "name": name, "pid": r.rank, "tid": tid, "ts": (r.t_ns - 1000) / 1000.0,
+                "args": {"event": r.event, "step": r.step, "graph_task": r.graph_task}}
+
+    assert doc == {"displayTimeUnit": "ns", "traceEvents": [
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 1, "args": {"name": "w [u]"}},
+        instant("start_gather", records[0], 1),
+        span("INFLIGHT", 0, 1, 0.0, 2.0, records[0], left_by="arrive"),
+        instant("unpack", records[1], 1),
+        span("AVAILABLE", 0, 1, 2.0, 6.0, records[1], left_by="release"),
+        instant("free", records[2], 1),
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": "b [u]"}},
+        span("AVAILABLE", 1, 2, 4.0, 4.0, records[3], open=True),
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0"}},
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "rank 1"}},
+    ]}
+
+
+def test_perfetto_span_has_a_visible_minimum_duration(tmp_path):
+    trace = Trace()
+    trace.records.extend([_rec(0, 7_000, 0, "w", "fetch", "NOT_AVAILABLE", "AVAILABLE"),
+                          _rec(1, 7_000, 0, "w", "release", "AVAILABLE", "NOT_AVAILABLE")])
+    events = json.loads(trace.to_perfetto(tmp_path / "t.json").read_text(encoding="utf-8"))["traceEvents"]
+    assert [e["dur"] for e in events if e["ph"] == "X"] == [0.001]
