@@ -172,3 +172,46 @@ def test_optional_fields_default_when_loading():
     assert (loaded.keep_graph, loaded.retained, loaded.holds, loaded.nbytes) == (False, False, 0, 0)
     with pytest.raises(ValueError, match="expected a JSON object, got list"):
         TraceRecord.from_json([])
+
+
+def test_defaults_of_records_and_traces():
+    assert Lifetime("w", "u").nbytes == 0
+    assert Trace().rank == 0 and Trace().records == []
+
+
+def test_graph_freed_with_step_defaults_flushes_a_deferred_parameter():
+    rec = _gathered(1)
+    step(TABLE, rec, "release", StepContext(), keep_graph=True)
+    assert rec.state is State.DEFERRED_RELEASE
+    step(TABLE, rec, "graph_freed", StepContext())  # retained defaults to False: the graph is gone
+    assert rec.state is State.NOT_AVAILABLE
+
+
+def test_blank_lines_in_json_lines_are_skipped(tmp_path):
+    records = _good_records()
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r.to_json()) for r in records[:1]) + "\n\n"
+                    + "\n".join(json.dumps(r.to_json()) for r in records[1:]) + "\n", encoding="utf-8")
+    assert Trace.load(path).records == records
+
+
+def test_perfetto_instant_names_join_effects(tmp_path):
+    trace = Trace()
+    trace.records.append(TraceRecord(seq=0, t_ns=0, rank=0, step=1, graph_task=-1, param="w", unit="u",
+                                     event="release", src="AVAILABLE", dst="NOT_AVAILABLE",
+                                     effects=("reduce_grad", "free")))
+    events = json.loads(trace.to_perfetto(tmp_path / "t.json").read_text(encoding="utf-8"))["traceEvents"]
+    assert [e["name"] for e in events if e["ph"] == "i"] == ["reduce_grad+free"]
+
+
+def test_buffer_checks_say_what_is_wrong():
+    import torch
+
+    from paramfsm.engine.kernels.layout import check_buffer, shard_layout
+
+    layout = shard_layout((5, 3), 2)
+    with pytest.raises(ValueError, match=r"shard_numels \(2, 2\) do not match ceil\(numel / 2\) of the given "
+                                         r"tensors \(3, 2\)"):
+        check_buffer(layout, (2, 2), torch.empty(10), "out")
+    with pytest.raises(ValueError, match=r"out must be 1-D with world \* S = 10 elements, got shape \(9,\)"):
+        check_buffer(layout, (3, 2), torch.empty(9), "out")

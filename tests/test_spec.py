@@ -331,3 +331,75 @@ def test_a_wildcard_source_covers_every_state():
     spec = load_spec()
     wildcard = [r for r in spec.rules if r.event == "reset"]
     assert {r.src for r in wildcard} == {s.name for s in State}
+
+
+def test_parsed_spec_keeps_names_docs_and_defaults():
+    spec = parse_spec(SHIPPED, file="f.toml")
+    assert spec.name == "param_lifetime" and spec.file == "f.toml"
+    assert spec.states["NOT_AVAILABLE"].doc == SHIPPED["states"]["NOT_AVAILABLE"]["doc"] != ""
+    assert spec.states["DEFERRED_RELEASE"].holds_zero and not spec.states["AVAILABLE"].holds_zero
+    assert spec.events["fetch"] == SHIPPED["events"]["fetch"] != ""
+
+    def strip(r):
+        del r["machine"]["name"]
+        del r["states"]["AVAILABLE"]["doc"]
+        del r["states"]["AVAILABLE"]["holds"]
+        del r["states"]["AVAILABLE"]["invariants"]
+    bare = parse_spec(broken_dict(strip), file="f.toml")
+    assert bare.name == "param_lifetime"
+    available = bare.states["AVAILABLE"]
+    assert (available.doc, available.holds_zero, available.invariants) == ("", False, ())
+
+
+@pytest.mark.parametrize("where, edit, message", [
+    ("extras", lambda r: r.__setitem__("extras", {"a": 1}),
+     "unknown top-level table; expected machine, states, events, transition, ignore, error"),
+    ("states", lambda r: r["states"].__delitem__("INFLIGHT"), "missing states ['INFLIGHT']"),
+    ("states.INFLIGHT", lambda r: r["states"].__setitem__("INFLIGHT", "gathering"), "must be a table"),
+    ("states.INFLIGHT", lambda r: r["states"]["INFLIGHT"].__setitem__("holds", "some"),
+     "holds must be 'zero' or 'any', not 'some'"),
+    ("states.INFLIGHT", lambda r: r["states"]["INFLIGHT"].__setitem__("invariants", ["shiny"]),
+     "unknown invariant 'shiny'; known: ['data_empty', 'data_full', 'no_handle', 'pending_handle', "
+     "'retained_graph_live', 'shard_intact']"),
+])
+def test_state_table_errors_are_named_exactly(tmp_path, where, edit, message):
+    err = expect_spec_error(broken_dict(edit), tmp_path, where)
+    assert err.reason == message, err.reason
+
+
+def test_not_total_names_the_many_holders_class(tmp_path):
+    i = row_index(SHIPPED, "transition", "AVAILABLE", "release", ["shared_hold"])
+    raw = broken_dict(lambda r: r["transition"].pop(i))
+    err = expect_spec_error(raw, tmp_path, "(AVAILABLE, release)", "not total")
+    assert "holds=>=2, keep_graph=False, retained=False" in err.reason
+
+
+def test_overlap_names_the_other_row(tmp_path):
+    i = row_index(SHIPPED, "ignore", "INFLIGHT", "abandon", ["!unheld"])
+    raw = broken_dict(lambda r: r["ignore"][i].pop("when"))
+    err = expect_spec_error(raw, tmp_path, "(INFLIGHT, abandon)", "guards overlap")
+    named = err.reason.split("guards overlap with ")[1].split(" for ")[0]
+    assert named.split(" (")[0] != err.entry.split(" (")[0], (named, err.entry)
+
+
+def test_a_wildcard_source_expands_to_every_state():
+    def one_reset(r):
+        for kind in ("transition", "ignore", "error"):
+            for row in r[kind]:
+                if isinstance(row["event"], list):
+                    row["event"] = [e for e in row["event"] if e != "reset"]
+            r[kind] = [row for row in r[kind] if row["event"] not in ("reset", [])]
+        r["transition"].append({"src": "*", "event": "reset", "dst": "NOT_AVAILABLE", "holds": "0",
+                                "effects": ["discard_gather", "free"]})
+    spec = parse_spec(broken_dict(one_reset))
+    assert {r.src for r in spec.rules if r.event == "reset"} == {s.name for s in State}
+
+
+def test_a_missing_row_kind_is_a_spec_error_not_a_crash(tmp_path):
+    expect_spec_error(broken_dict(lambda r: r.__delitem__("ignore")), tmp_path, "(", "not total")
+
+
+def test_unreadable_file_reason_is_the_os_message(tmp_path):
+    with pytest.raises(SpecError) as info:
+        load_spec(tmp_path)
+    assert info.value.reason == "cannot read: Is a directory"

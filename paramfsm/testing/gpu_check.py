@@ -13,7 +13,7 @@ Stages, each recorded as a row (a failing stage does not stop the next):
 5. ``benchmarks/step_gpu.py``, the two-loss step against plain torch and FSDP2.
 
 Exit status: 0 when every stage passes, 1 when one fails, 2 when there is no
-GPU to check (one line says why).
+GPU to check (one line says why). ``--quick`` runs stages 1-3 only.
 """
 
 from __future__ import annotations
@@ -198,7 +198,8 @@ def step_benchmark(table: Table) -> None:
                 table.add(f"two-loss step, {model}, {variant}", False, f"{detail}; FSDP2 {fsdp2}")
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)  # correctness stages only, no benchmarks
     try:
         import torch
     except ImportError:
@@ -209,7 +210,8 @@ def main() -> int:
         return 2
     table = Table()
     if environment(table):
-        for stage in (run_pytest, two_loss_runs, gather_scatter, step_benchmark):
+        stages = (run_pytest, two_loss_runs) if quick else (run_pytest, two_loss_runs, gather_scatter, step_benchmark)
+        for stage in stages:
             try:
                 stage(table)
             except Exception as exc:  # noqa: BLE001 - a broken stage is a failed row, the rest still run
