@@ -70,3 +70,20 @@ def test_two_losses_on_one_gpu(nccl1, retain, collectives):
     assert report["streams"] == "DeviceStreams"
     assert (report["all_gathers"] > 0) == collectives
     assert report["grad_err"] < 1e-4 and report["param_err"] < 1e-4
+
+
+@pytest.mark.parametrize("norm_type", [0.0, 2.0, float("inf")])
+def test_clip_on_the_device(norm_type):
+    """The accumulator and the all-reduce input live on the gradients' device."""
+    from paramfsm import grad_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ours = [torch.nn.Parameter(torch.zeros(n, device="cuda")) for n in (7, 13)]
+    theirs = [torch.nn.Parameter(torch.zeros(n, device="cuda")) for n in (7, 13)]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn(a.shape, device="cuda", generator=gen)
+        b.grad = a.grad.clone()
+    total = grad_norm.clip_grad_norm_(ours, 0.5, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 0.5, norm_type)
+    assert total.device.type == "cuda" and torch.allclose(total, expected, rtol=1e-5)
+    assert all(torch.allclose(a.grad, b.grad, rtol=1e-5) for a, b in zip(ours, theirs))

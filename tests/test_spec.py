@@ -403,3 +403,10 @@ def test_unreadable_file_reason_is_the_os_message(tmp_path):
     with pytest.raises(SpecError) as info:
         load_spec(tmp_path)
     assert info.value.reason == "cannot read: Is a directory"
+
+
+def test_a_named_machine_and_the_default_file_label(tmp_path):
+    spec = parse_spec(broken_dict(lambda r: r["machine"].__setitem__("name", "custom")))
+    assert (spec.name, spec.file) == ("custom", "<spec>")
+    err = expect_spec_error(broken_dict(lambda r: r.__delitem__("states")), tmp_path, "states")
+    assert err.reason == "missing or empty [states] table"

@@ -51,8 +51,10 @@ def test_clip_matches_torch(norm_type, max_norm):
 def test_clip_nonfinite():
     shards = _shards(1)
     shards[0].grad[0] = float("inf")
-    with pytest.raises(ParamFSMError, match="not finite"):
+    with pytest.raises(ParamFSMError) as info:
         grad_norm.clip_grad_norm_(shards, 1.0, error_if_nonfinite=True)
+    assert str(info.value) == ("the total norm of order 2.0 of the gradients is not finite "
+                               "(clip_grad_norm_ was called with error_if_nonfinite=True)")
     assert not math.isfinite(float(grad_norm.clip_grad_norm_(_inf_shards(), 1.0)))
 
 
@@ -96,3 +98,8 @@ def test_plan_is_re_recorded_only_when_the_order_changes():
     assert changed is not plan and changed.order == (2, 1)
     assert changed.bucket_index(units[0]) is None
     assert [[u.index for u in b] for b in changed.buckets] == [[2, 1]]
+
+
+def test_clip_defaults_to_the_two_norm():
+    ours, theirs = _shards(3), _shards(3)
+    assert torch.allclose(grad_norm.clip_grad_norm_(ours, 0.1), torch.nn.utils.clip_grad_norm_(theirs, 0.1))
