@@ -38,6 +38,17 @@ def _model():
     return TinyTransformer(vocab=VOCAB, dim=16, depth=2, seq=SEQ)
 
 
+def _train_step(step, rank, world, model, opt, ref_model, ref_opt):
+    """One zero_grad / backward / step on the sharded model (this rank's slice) and on the reference."""
+    tokens, targets = _batch(step, world)
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    _losses(model(rank_slice(tokens, rank, world)), rank_slice(targets, rank, world))[0].backward()
+    _losses(ref_model(tokens), targets)[0].backward()
+    opt.step()
+    ref_opt.step()
+
+
 def hf_groups(model, weight_decay=0.1):
     """The Hugging Face Trainer recipe: decay for weights, none for biases and norms, by name."""
     no_decay = [n for n, _ in model.named_parameters() if n.endswith("bias") or "norm" in n]
@@ -115,22 +126,13 @@ def state_dict_job(rank, world):
     rt = paramfsm.shard(model)
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
 
-    def train(step, opt, ref_opt):
-        tokens, targets = _batch(step, world)
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        _losses(model(rank_slice(tokens, rank, world)), rank_slice(targets, rank, world))[0].backward()
-        _losses(ref.model(tokens), targets)[0].backward()
-        opt.step()
-        ref_opt.step()
-
-    train(0, opt, ref_opt)
+    _train_step(0, rank, world, model, opt, ref.model, ref_opt)
     saved = io.BytesIO()
     torch.save(opt.state_dict(), saved)
     saved.seek(0)
     resumed = torch.optim.AdamW(model.parameters(), **ADAM)
     resumed.load_state_dict(torch.load(saved, weights_only=True))
-    train(1, resumed, ref_opt)
+    _train_step(1, rank, world, model, resumed, ref.model, ref_opt)
     worst = assert_close_dicts(sharded_params(rt, model), ref.params(), atol=1e-5, what="after resuming")
     rt.close()
     return worst
@@ -241,13 +243,7 @@ def freeze_job(rank, world, direction):
             flag = direction == "unfreeze"
             target.requires_grad_(flag)
             ref_target.requires_grad_(flag)
-        tokens, targets = _batch(step, world)
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        _losses(model(rank_slice(tokens, rank, world)), rank_slice(targets, rank, world))[0].backward()
-        _losses(ref.model(tokens), targets)[0].backward()
-        opt.step()
-        ref_opt.step()
+        _train_step(step, rank, world, model, opt, ref.model, ref_opt)
         worst = max(worst, assert_close_dicts(sharded_params(rt, model), ref.params(), atol=1e-5,
                                               what=f"{direction} step {step}"))
     assert rt.scheduler.last_audit == []
@@ -273,13 +269,9 @@ def reset_job(rank, world):
     ref_opt = torch.optim.SGD(ref.model.parameters(), lr=0.1)
     rt = paramfsm.shard(model, strict=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    tokens, targets = _batch(0, world)
+    tokens, _ = _batch(0, world)
     # one clean step (so the next forward has a prefetch plan), then a forward that raises midway
-    for m, x, y, o in ((model, rank_slice(tokens, rank, world), rank_slice(targets, rank, world), opt),
-                       (ref.model, tokens, targets, ref_opt)):
-        o.zero_grad()
-        _losses(m(x), y)[0].backward()
-        o.step()
+    _train_step(0, rank, world, model, opt, ref.model, ref_opt)
 
     def explode(module, args):
         raise Boom("data error")
@@ -294,13 +286,7 @@ def reset_job(rank, world):
     rt.reset()
     states = set(rt.states().values())
     issued = {k: v - before[k] for k, v in rt.counters.items()}
-    tokens, targets = _batch(1, world)
-    opt.zero_grad()
-    ref_opt.zero_grad()
-    _losses(model(rank_slice(tokens, rank, world)), rank_slice(targets, rank, world))[0].backward()
-    _losses(ref.model(tokens), targets)[0].backward()
-    opt.step()
-    ref_opt.step()
+    _train_step(1, rank, world, model, opt, ref.model, ref_opt)
     worst = assert_close_dicts(sharded_params(rt, model), ref.params(), atol=1e-5, what="after reset")
     rt.close()
     return gathered, states, issued, worst
