@@ -28,6 +28,7 @@ bench: install
 	$(PY) benchmarks/fsm_dispatch.py
 	$(PY) benchmarks/step_overhead.py
 	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/optimizer_mapping.py
 	$(PY) benchmarks/gather_scatter.py --device cpu
 
 lint: install

@@ -71,7 +71,7 @@ def test_two_losses_match_plain_torch_with_a_lagging_device(ranks2, retain):
     job = partial(two_loss_job, streams=RecordingStreams(), bucket_bytes=2048)
     reports = ranks2.run(job, "cpu", retain, 3)
     for report in reports:
-        streams = report["streams"]
+        streams = report["stream_set"]
         assert report["grad_err"] < 1e-5 and report["param_err"] < 1e-5
         where = _check_log(streams.log)
         gathers = [n for call, lane, n in streams.log if call == "launch" and lane == GATHER]
@@ -116,4 +116,4 @@ def test_one_rank_through_collectives(ranks1):
     report = ranks1.run(job, "cpu", "defer", 2)[0]
     assert report["grad_err"] < 1e-5 and report["param_err"] < 1e-5
     assert report["all_gathers"] > 0, "forced collectives issued no all-gather"
-    _check_log(report["streams"].log)
+    _check_log(report["stream_set"].log)

@@ -21,28 +21,13 @@ from paramfsm.core.fsm import default_table
 from paramfsm.core.spec import INVARIANTS
 from paramfsm.testing import checks
 from paramfsm.testing.programs import (
-    Backward,
-    Config,
-    Drop,
-    Forward,
-    Gathered,
-    Loss,
-    Penalty,
-    Program,
-    Shape,
-    Step,
-    programs,
+    Backward, Config, Drop, Forward, Gathered, Loss, Penalty, Program, Shape, Step, programs,
 )
 from paramfsm.testing.reproduction import render
 from paramfsm.testing.runner import Mirror, Options, run_program
 from paramfsm.testing.subject import global_batch, load_subject, split
 from paramfsm.testing.verify import (
-    EXAMPLES_ENV,
-    VerificationFailed,
-    examples_from_env,
-    probe,
-    verify,
-    verify_model,
+    EXAMPLES_ENV, VerificationFailed, examples_from_env, probe, verify, verify_model,
 )
 
 REPO = Path(__file__).resolve().parent.parent

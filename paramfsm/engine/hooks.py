@@ -40,14 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine import higher_order
 from paramfsm.engine.events import (
-    FORWARD_BEGIN,
-    FORWARD_END,
-    GRAD_READY,
-    POST_BACKWARD,
-    POST_FORWARD,
-    PRE_BACKWARD,
-    PRE_FORWARD,
-    Event,
+    FORWARD_BEGIN, FORWARD_END, GRAD_READY, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event,
     ForwardCall,
 )
 

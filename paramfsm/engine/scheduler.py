@@ -51,19 +51,8 @@ from paramfsm.engine import graph_task as gt
 from paramfsm.engine import partitioned
 from paramfsm.engine.audit import audit_leaks
 from paramfsm.engine.events import (
-    BACKWARD_END,
-    FLUSH,
-    FORWARD_BEGIN,
-    FORWARD_END,
-    GRAD_READY,
-    GRAPH_FREED,
-    POST_BACKWARD,
-    POST_FORWARD,
-    PRE_BACKWARD,
-    PRE_FORWARD,
-    Event,
-    ForwardCall,
-    TaskState,
+    BACKWARD_END, FLUSH, FORWARD_BEGIN, FORWARD_END, GRAD_READY, GRAPH_FREED, POST_BACKWARD, POST_FORWARD,
+    PRE_BACKWARD, PRE_FORWARD, Event, ForwardCall, TaskState,
 )
 from paramfsm.engine.plan import PassState, Plan
 

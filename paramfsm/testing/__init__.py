@@ -6,12 +6,7 @@ property-based verification of training loops.
 """
 
 from paramfsm.testing.reference import (
-    Reference,
-    assert_close_dicts,
-    global_batch,
-    rank_slice,
-    sharded_grads,
-    sharded_params,
+    Reference, assert_close_dicts, global_batch, rank_slice, sharded_grads, sharded_params,
 )
 from paramfsm.testing.subject import Subject
 

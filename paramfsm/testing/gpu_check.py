@@ -209,13 +209,15 @@ def main(argv=None) -> int:
         print(f"gpu-check: torch {torch.__version__} sees no CUDA device here; nothing to check")
         return 2
     table = Table()
-    if environment(table):
-        stages = (run_pytest, two_loss_runs) if quick else (run_pytest, two_loss_runs, gather_scatter, step_benchmark)
-        for stage in stages:
-            try:
-                stage(table)
-            except Exception as exc:  # noqa: BLE001 - a broken stage is a failed row, the rest still run
-                table.add(stage.__name__, False, f"{type(exc).__name__}: {_last_line(str(exc))}")
+    stages = (run_pytest, two_loss_runs) if quick else (run_pytest, two_loss_runs, gather_scatter, step_benchmark)
+    for stage in (environment, *stages):
+        try:
+            if stage(table) is False:
+                break  # no environment: the other stages cannot run
+        except Exception as exc:  # noqa: BLE001 - a broken stage is a failed row, the rest still run
+            table.add(stage.__name__, False, f"{type(exc).__name__}: {_last_line(str(exc))}")
+            if stage is environment:
+                break
     table.print()
     return 0 if table.ok else 1
 

@@ -11,17 +11,7 @@ the docstring. Run the script with ``torchrun --nproc-per-node WORLD``.
 from __future__ import annotations
 
 from paramfsm.testing.programs import (
-    PENALTY_WEIGHT,
-    Backward,
-    Drop,
-    Flush,
-    Forward,
-    Gathered,
-    Loss,
-    Penalty,
-    Program,
-    Step,
-    ZeroGrad,
+    PENALTY_WEIGHT, Backward, Drop, Flush, Forward, Gathered, Loss, Penalty, Program, Step, ZeroGrad,
 )
 
 

@@ -44,17 +44,7 @@ import paramfsm
 from paramfsm.core.spec import State
 from paramfsm.testing import checks, faults
 from paramfsm.testing.programs import (
-    PENALTY_WEIGHT,
-    Backward,
-    Drop,
-    Flush,
-    Forward,
-    Gathered,
-    Loss,
-    Penalty,
-    Program,
-    Step,
-    ZeroGrad,
+    PENALTY_WEIGHT, Backward, Drop, Flush, Forward, Gathered, Loss, Penalty, Program, Step, ZeroGrad,
 )
 from paramfsm.testing.subject import first_tensor, global_batch, load_subject, split
 

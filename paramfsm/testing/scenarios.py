@@ -52,7 +52,8 @@ def two_loss_job(rank, world, device="cpu", retain="defer", steps=3, *, streams=
 
     ``streams``: a stream set to put in the executor before the first forward
     (e.g. a :class:`~paramfsm.engine.streams.RecordingStreams`); it comes back
-    in the report as ``"streams"`` for the caller to inspect. ``collectives``:
+    in the report as ``"stream_set"`` for the caller to inspect, while
+    ``"streams"`` always names the class in use. ``collectives``:
     see :func:`force_collectives` (for one rank).
     """
     torch.manual_seed(0)
@@ -95,6 +96,6 @@ def two_loss_job(rank, world, device="cpu", retain="defer", steps=3, *, streams=
     assert set(rt.states().values()) == {paramfsm.State.NOT_AVAILABLE}, rt.states()
     report["all_gathers"] = rt.counters["all_gathers"]
     if streams is not None:
-        report["streams"] = streams
+        report["stream_set"] = streams  # given by the caller: back to it, with its log
     rt.close()
     return report
