@@ -12,6 +12,11 @@ the four are measured in interleaved rounds and each keeps its best round's
 median, so drift of a shared machine does not favour one of them. AG/RS per
 step are paramfsm world 2's steady-state collectives.
 
+A second table prices the trace at world 2, in the same rounds: no trace
+(``trace=0``), the default flight recorder (a bounded ring), every transition
+in memory (``trace=True``) and every transition streamed to a file
+(``trace="....jsonl"``); ratios are against no trace.
+
     python benchmarks/step_overhead.py [--steps 30] [--warmup 5] [--only a|b]
 """
 
@@ -20,7 +25,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,6 +35,8 @@ from torch import nn
 from paramfsm.launch import RankPool
 
 MODELS = {"a": (200, 8), "b": (16, 1024)}
+#: The trace settings priced in the second table (``shard(..., trace=...)``; "stream" writes a temp file).
+TRACE_MODES = {"off": 0, "recorder": False, "full": True, "stream": "stream"}
 BATCH = 32
 
 
@@ -58,11 +67,13 @@ def plain_job(rank, world, name: str, steps: int, warmup: int) -> float:
     return time_steps(model, model.parameters(), steps, warmup, MODELS[name][1])
 
 
-def paramfsm_job(rank, world, name, steps, warmup, over="shards"):
+def paramfsm_job(rank, world, name, steps, warmup, over="shards", trace=False):
     import paramfsm
 
     model = build(name)
-    rt = paramfsm.shard(model)
+    if trace == "stream":
+        trace = Path(tempfile.mkdtemp(prefix="paramfsm-bench-")) / f"rank{rank}.jsonl"
+    rt = paramfsm.shard(model, trace=trace)
     opt = torch.optim.SGD(rt.shard_parameters() if over == "shards" else model.parameters(), lr=1e-3)
     time_steps(model, opt, 0, warmup, MODELS[name][1])
     before = rt.counters
@@ -93,10 +104,11 @@ def main(argv=None) -> int:
                         help="interleaved rounds; each figure is the best round's median (machine drift cancels)")
     args = parser.parse_args(argv)
     names = [args.only] if args.only else sorted(MODELS)
-    rows = []
+    rows, trace_rows = [], []
     with RankPool(1) as one, RankPool(2) as two:
         for name in names:
             best = {"plain": [], "w1": [], "w2": [], "w2m": [], "fsdp2": []}
+            traced = {mode: [] for mode in TRACE_MODES}
             for round_ in range(args.rounds):
                 print(f"model ({name}): round {round_ + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
                 best["plain"].append(one.run(plain_job, name, args.steps, args.warmup)[0])
@@ -105,8 +117,11 @@ def main(argv=None) -> int:
                 best["w2"].append(w2)
                 best["w2m"].append(two.run(paramfsm_job, name, args.steps, args.warmup, "model")[0][0])
                 best["fsdp2"].append(two.run(fsdp2_job, name, args.steps, args.warmup)[0][0])
+                for mode, trace in TRACE_MODES.items():
+                    traced[mode].append(two.run(paramfsm_job, name, args.steps, args.warmup, "shards", trace)[0][0])
             base, w1, w2, w2m, f2 = (min(best[k]) for k in ("plain", "w1", "w2", "w2m", "fsdp2"))
             rows.append((name, base, w1, w2, f2, per_step["all_gathers"], per_step["reduce_scatters"], w2m))
+            trace_rows.append((name, *(min(traced[mode]) for mode in TRACE_MODES)))
     depth_width = {n: f"{d}xLinear({w},{w})" for n, (d, w) in MODELS.items()}
     print(f"{'model':<22}{'plain ms':>10}{'pfsm w1 ms':>12}{'pfsm w2 ms':>12}{'FSDP2 w2 ms':>13}"
           f"{'w1/plain':>10}{'w2/plain':>10}{'w2/FSDP2':>10}{'AG/step':>9}{'RS/step':>9}"
@@ -115,6 +130,11 @@ def main(argv=None) -> int:
         print(f"({name}) {depth_width[name]:<18}{base * 1e3:>10.2f}{w1 * 1e3:>12.2f}{w2 * 1e3:>12.2f}{f2 * 1e3:>13.2f}"
               f"{w1 / base:>10.2f}{w2 / base:>10.2f}{w2 / f2:>10.2f}{ag:>9.1f}{rs:>9.1f}"
               f"{w2m * 1e3:>18.2f}{w2m / w2:>10.2f}")
+    print(f"\n{'model (world 2)':<22}{'no trace ms':>12}{'recorder ms':>12}{'full ms':>10}{'stream ms':>11}"
+          f"{'recorder/off':>14}{'full/off':>10}{'stream/off':>12}")
+    for name, off, ring, full, stream in trace_rows:
+        print(f"({name}) {depth_width[name]:<18}{off * 1e3:>12.2f}{ring * 1e3:>12.2f}{full * 1e3:>10.2f}"
+              f"{stream * 1e3:>11.2f}{ring / off:>14.2f}{full / off:>10.2f}{stream / off:>12.2f}")
     return 0
 
 

@@ -119,14 +119,18 @@ def register_trace(subparsers) -> None:
     check = commands.add_parser("check", help="replay a trace through the spec; name the first illegal record")
     check.add_argument("file", type=_input_file, help="trace written by rt.trace.dump (JSON Lines)")
     check.add_argument("--spec", type=_input_file, help="spec TOML to replay against (default: the shipped spec)")
+    check.add_argument("--allow-open", action="store_true",
+                       help="accept a trace that ends with parameters gathered (a flight-recorder dump, a run cut short)")
     check.set_defaults(func=_trace_check)
 
     summary = commands.add_parser("summary", help="time per state, gathers, deferred windows and leaks")
     summary.add_argument("file", type=_input_file, help="trace (JSON Lines)")
+    summary.add_argument("--spec", type=_input_file, help="spec TOML the trace was made under (default: shipped)")
     summary.set_defaults(func=_trace_summary)
 
     export = commands.add_parser("export", help="convert a trace for ui.perfetto.dev")
     export.add_argument("file", type=_input_file, help="trace (JSON Lines)")
+    export.add_argument("--spec", type=_input_file, help="spec TOML the trace was made under (default: shipped)")
     export.add_argument("--perfetto", required=True, type=Path, metavar="OUT",
                         help="write Chrome trace-event JSON here")
     export.set_defaults(func=_trace_export)
@@ -137,28 +141,61 @@ def register_trace(subparsers) -> None:
     compare.set_defaults(func=_trace_diff)
 
 
+#: Exit status of ``trace summary`` / ``trace export`` when the trace does not replay through the spec.
+NOT_REPLAYING = 3
+
+
 def _trace_check(args) -> int:
+    from paramfsm.core.trace import final_states
+
+    records = _load_trace(args.file)
+    if not records:
+        raise CommandError(f"{args.file}: the trace has no records, so it shows nothing (was it made with "
+                           "trace=0, or dumped before the first forward?)")
+    table, error = _replay(records, args.spec)
+    if error is not None:
+        raise CommandError(f"{args.file}: illegal {error}")
+    gathered = [r for r in final_states(records).values() if r.dst != table.spec.initial]
+    if gathered and not args.allow_open:
+        first = gathered[0]
+        raise CommandError(
+            f"{args.file}: the trace replays, but {len(gathered)} parameter(s) end gathered (first: rank "
+            f"{first.rank} '{first.param}' ends {first.dst} at step {first.step}); a whole run ends with every "
+            "parameter NOT_AVAILABLE. For a flight-recorder dump or a run cut short, pass --allow-open")
+    open_note = f", {len(gathered)} parameter(s) end gathered (--allow-open)" if gathered else ""
+    print(f"{len(records)} records replay cleanly through {table.spec.file}{open_note}")
+    return 0
+
+
+def _replay(records, spec_path):
+    """``(table, first illegal record or None)`` for a trace against a spec (the shipped one by default)."""
     from paramfsm.core.fsm import compile_table
     from paramfsm.core.trace import replay
 
-    records = _load_trace(args.file)
-    table = compile_table(_load_spec(args.spec))
-    error = replay(records, table)
-    if error is not None:
-        raise CommandError(f"{args.file}: illegal {error}")
-    print(f"{len(records)} records replay cleanly through {table.spec.file}")
-    return 0
+    table = compile_table(_load_spec(spec_path))
+    return table, replay(records, table)
+
+
+def _warn_unless_replaying(args, records) -> int:
+    """Exit status for summary/export: 0, or NOT_REPLAYING with a warning naming the first bad record."""
+    _, error = _replay(records, args.spec)
+    if error is None:
+        return 0
+    print(f"{PROG}: warning: {args.file} does not replay through the spec, so the figures may be wrong: "
+          f"{error} (paramfsm trace check names the problem)", file=sys.stderr)
+    return NOT_REPLAYING
 
 
 def _trace_summary(args) -> int:
     from paramfsm.core.trace_report import summarize
 
-    print(summarize(_load_trace(args.file)).format())
-    return 0
+    records = _load_trace(args.file)
+    print(summarize(records).format())
+    return _warn_unless_replaying(args, records)
 
 
 def _trace_export(args) -> int:
-    from paramfsm.core.trace import write_perfetto
+    from paramfsm.core.perfetto import write_perfetto
 
     records = _load_trace(args.file)
     try:
@@ -166,7 +203,7 @@ def _trace_export(args) -> int:
     except OSError as exc:
         raise CommandError(f"cannot write {args.perfetto}: {exc.strerror or exc}") from None
     print(f"wrote {args.perfetto} ({len(records)} records); open it in ui.perfetto.dev")
-    return 0
+    return _warn_unless_replaying(args, records)
 
 
 def _trace_diff(args) -> int:

@@ -73,6 +73,22 @@ class RankDesync(ParamFSMError):
         )
 
 
+class CollectiveTimeout(ParamFSMError):
+    """A wait on a collective passed its limit: a peer rank is stalled, dead, or on another code path."""
+
+    def __init__(self, *, collective: str, unit: str, step: int, rank: int, waited_s: float, limit_s: float):
+        self.collective, self.unit, self.step, self.rank = collective, unit, step, rank
+        self.waited_s, self.limit_s = waited_s, limit_s
+        super().__init__(
+            f"collective timeout on rank {rank} at step {step}: {collective} for unit '{unit}' did not "
+            f"complete within {limit_s:g}s (waited {waited_s:.1f}s). What to do: another rank is stalled, "
+            "dead or running a different program; read its log and its flight-recorder dump "
+            "(paramfsm trace diff compares two ranks' dumps). If a peer is only slow (a long data load, a "
+            "checkpoint), raise the limit: paramfsm.shard(..., collective_timeout=SECONDS) or "
+            "PARAMFSM_COLLECTIVE_TIMEOUT."
+        )
+
+
 class NotInitialized(ParamFSMError):
     """torch.distributed is not initialised and no process group was given."""
 

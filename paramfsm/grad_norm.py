@@ -24,11 +24,12 @@ from paramfsm.errors import ParamFSMError
 
 
 def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, group=None, world: int = 1,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, wait=None) -> torch.Tensor:
     """Clip the shard gradients in place so the global ``norm_type``-norm is at most ``max_norm``.
 
     Collective: every rank calls it. Returns the total norm (before clipping)
-    as a float32 tensor, identical on every rank.
+    as a float32 tensor, identical on every rank. ``wait``: how the host waits
+    for the all-reduce (a time-limited waiter, see :func:`paramfsm.engine.collectives.waiter`).
     """
     norm_type = float(norm_type)
     grads = [s.grad for s in shards if s.grad is not None]
@@ -37,21 +38,21 @@ def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, group=No
         counts = torch.tensor([float(torch.count_nonzero(s.grad)) if s.grad is not None else 0.0
                                for s in shards], dtype=torch.float64, device=device)
         if world > 1:
-            all_reduce_sum(counts, group)
+            all_reduce_sum(counts, group, wait)
         total = torch.count_nonzero(counts).float()
     elif norm_type == math.inf:
         maxima = [g.detach().abs().max().float() for g in grads if g.numel()]
         local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
         total = local.clone().reshape(1)
         if world > 1:
-            all_reduce_max(total, group)
+            all_reduce_max(total, group, wait)
         total = total[0]
     else:
         local = torch.zeros(1, dtype=torch.float64, device=device)
         for g in grads:
             local += g.detach().double().abs().pow(norm_type).sum()
         if world > 1:
-            all_reduce_sum(local, group)
+            all_reduce_sum(local, group, wait)
         total = local[0].pow(1.0 / norm_type).float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise ParamFSMError(f"the total norm of order {norm_type} of the gradients is not finite "

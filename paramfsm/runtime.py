@@ -20,11 +20,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from paramfsm import checkpoint, grad_norm, optim
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import State, load_spec
-from paramfsm.core.trace import Trace
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine import hooks, partitioned, placeholder
-from paramfsm.engine.collectives import all_gather_flat, resolve_group
+from paramfsm.engine.collectives import all_gather_flat, resolve_group, timeout_s
 from paramfsm.engine.executor import Executor
+from paramfsm.engine.flight import FlightRecorder, make_trace
 from paramfsm.engine.scheduler import Scheduler
 from paramfsm.engine.streams import streams_for
 from paramfsm.engine.units import ParamRecord, build_units
@@ -38,8 +38,9 @@ _PARTITIONED = WeakIdKeyDictionary()
 
 
 def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
-          prefetch: int = 1, trace: bool = False, spec=None, *, strict: bool = False,
-          bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False) -> "Runtime":
+          prefetch: int = 1, trace=False, spec=None, *, strict: bool = False,
+          bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False,
+          collective_timeout: float | None = None) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
     ``units``: None (every module owning parameters directly), module classes,
@@ -49,7 +50,11 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     deferred memory. ``prefetch``: buckets gathered ahead of use.
     ``bucket_bytes``: consecutive units are gathered (and gradients
     reduce-scattered) together up to this many bytes. ``spec``: a path to an
-    alternative lifetime spec. ``strict``: cross-check every transition against
+    alternative lifetime spec. ``trace``: False keeps the flight recorder, a ring
+    of the last ``$PARAMFSM_TRACE_RECORDS`` (default 8192) transitions dumped
+    when something fails (:mod:`paramfsm.engine.flight`); an int N keeps the last
+    N (0: no trace at all); True keeps every transition in memory; a path
+    streams every transition to that JSON Lines file. ``strict``: cross-check every transition against
     the spec's ``transitions`` Machine (microseconds per step) and raise on leaks
     instead of logging them.
     ``param_dtype``: gather and compute in this dtype (e.g. ``torch.bfloat16``)
@@ -60,6 +65,9 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     all-gather and reduce-scatter, so any desync raises RankDesync (see
     :mod:`paramfsm.engine.rankcheck`; without it, a tag riding in each CPU gather
     bucket checks all-gathers of equal size at no collective cost).
+    ``collective_timeout``: seconds any host wait on a collective may take
+    before :class:`~paramfsm.errors.CollectiveTimeout` is raised (default
+    ``$PARAMFSM_COLLECTIVE_TIMEOUT`` or 600).
     """
     if retain not in RETAIN_POLICIES:
         raise ParamFSMError(f"retain={retain!r}: expected one of {RETAIN_POLICIES}")
@@ -73,15 +81,19 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
                                 "or call rt.close() on the other runtime first")
     if prefetch < 0:
         raise ParamFSMError(f"prefetch={prefetch}: must be >= 0")
+    try:
+        limit = timeout_s(collective_timeout)
+    except ValueError as exc:
+        raise ParamFSMError(str(exc)) from None
     return Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-                   bucket_bytes, param_dtype, reduce_dtype, debug)
+                   bucket_bytes, param_dtype, reduce_dtype, debug, limit)
 
 
 class Runtime:
     """A sharded model's lifetime runtime. Create it with :func:`paramfsm.shard`."""
 
     def __init__(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-                 bucket_bytes, param_dtype, reduce_dtype, debug=False):
+                 bucket_bytes, param_dtype, reduce_dtype, debug=False, collective_timeout=600.0):
         self.model = model
         device = _model_device(model)
         self.group, self.rank, self.world = resolve_group(group, device)
@@ -89,16 +101,19 @@ class Runtime:
         self.units, by_id = build_units(model, units, self.rank, self.world)
         self._by_id = by_id
         self._by_name = {name: rec for rec in by_id.values() for name in rec.names}
-        # Always a Trace (empty when tracing is off), so rt.trace.records / dump work either way;
-        # only a traced runtime hands it to the FSM, so an untraced one pays nothing per step.
-        self.trace = Trace(self.rank)
+        # Always a Trace (empty with trace=0), so rt.trace.records / dump work either way; only
+        # a recording runtime hands it to the FSM, so trace=0 pays nothing per step.
+        self.trace = make_trace(trace, self.rank, self.table.digest, list(by_id.values()))
+        recording = self.trace.limit != 0
         self.executor = Executor(self.group, self.rank, self.world, param_dtype=param_dtype,
                                  reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
-                                 streams=streams_for(device))
+                                 streams=streams_for(device), timeout_s=collective_timeout)
         self.scheduler = Scheduler(self.table, self.units, list(by_id.values()), self.executor,
                                    rank=self.rank, retain=retain, prefetch=prefetch,
                                    max_deferred_bytes=max_deferred_bytes, bucket_bytes=bucket_bytes,
-                                   trace=self.trace if trace else None, strict=strict)
+                                   trace=self.trace if recording else None, strict=strict)
+        self.flight = FlightRecorder(self.trace if recording else None, self.scheduler.ctx)
+        self.scheduler.on_failure = self.flight.failed
         self.executor.ctx, self.executor.unit_names = self.scheduler.ctx, tuple(u.name for u in self.units)
         if debug:
             self.executor.rank_check = "header"
@@ -156,8 +171,19 @@ class Runtime:
             full = shard.detach().clone()
         else:
             full = torch.empty(rec.shard_numel * self.world, dtype=shard.dtype, device=shard.device)
-            all_gather_flat(full, shard.detach().contiguous(), self.group, async_op=False)
+            work = all_gather_flat(full, shard.detach().contiguous(), self.group, async_op=True)
+            with self._reporting():
+                self.executor.timed_wait(f"all-gather of '{rec.name}' (full tensor)", (rec,))(work)
         return full[: rec.numel].view(rec.shape).clone()
+
+    @contextlib.contextmanager
+    def _reporting(self):
+        """Hand an exception raised outside the scheduler (a collective here) to the flight recorder."""
+        try:
+            yield
+        except Exception as exc:
+            self.flight.failed(exc)
+            raise
 
     def full_param(self, param_or_name) -> torch.Tensor:
         """The full parameter, all-gathered from the shards (collective: every rank calls it)."""
@@ -226,8 +252,10 @@ class Runtime:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the shard gradients; returns the total norm. Collective."""
-        return grad_norm.clip_grad_norm_(self.shard_parameters(), max_norm, norm_type, group=self.group,
-                                         world=self.world, error_if_nonfinite=error_if_nonfinite)
+        with self._reporting():
+            return grad_norm.clip_grad_norm_(
+                self.shard_parameters(), max_norm, norm_type, group=self.group, world=self.world,
+                error_if_nonfinite=error_if_nonfinite, wait=self.executor.timed_wait("all-reduce of the norm", ()))
 
     # ------------------------------------------------------------------ control
     def backward(self, loss, retain_graph=None, create_graph: bool = False, **kwargs) -> None:
@@ -235,7 +263,8 @@ class Runtime:
         keep = create_graph if retain_graph is None else retain_graph
         gt.explicit_keep_graph.append(bool(keep))
         try:
-            loss.backward(retain_graph=retain_graph, create_graph=create_graph, **kwargs)
+            with self._reporting():
+                loss.backward(retain_graph=retain_graph, create_graph=create_graph, **kwargs)
         finally:
             gt.explicit_keep_graph.pop()
 
@@ -289,6 +318,7 @@ class Runtime:
         """
         self._remove_hooks()
         self.scheduler.closed = True
+        self.trace.close()
         _SHARDED.pop(self.model, None)
         for rec in self._by_id.values():
             partitioned.release(rec.param)
@@ -309,6 +339,7 @@ class Runtime:
         fulls = {id(rec): self.full_param(rec) for rec in self._by_id.values()}
         self._remove_hooks()
         self.scheduler.closed = True
+        self.trace.close()
         for rec in self._by_id.values():
             placeholder.reveal(rec.param)
             partitioned.release(rec.param)

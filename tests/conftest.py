@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from paramfsm.launch import RankPool
+
+# Flight-recorder dumps of tests that fail on purpose go here, not into the checkout; rank pools
+# inherit the variable. A test that reads dumps points it at its own directory.
+os.environ.setdefault("PARAMFSM_TRACE_DIR", tempfile.mkdtemp(prefix="paramfsm-dumps-"))
 
 
 @pytest.fixture(scope="session")

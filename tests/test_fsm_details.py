@@ -196,10 +196,9 @@ def test_blank_lines_in_json_lines_are_skipped(tmp_path):
 
 
 def test_perfetto_instant_names_join_effects(tmp_path):
-    trace = Trace()
-    trace.records.append(TraceRecord(seq=0, t_ns=0, rank=0, step=1, graph_task=-1, param="w", unit="u",
-                                     event="release", src="AVAILABLE", dst="NOT_AVAILABLE",
-                                     effects=("reduce_grad", "free")))
+    trace = Trace(0, [TraceRecord(seq=0, t_ns=0, rank=0, step=1, graph_task=-1, param="w", unit="u",
+                                  event="release", src="AVAILABLE", dst="NOT_AVAILABLE",
+                                  effects=("reduce_grad", "free"))])
     events = json.loads(trace.to_perfetto(tmp_path / "t.json").read_text(encoding="utf-8"))["traceEvents"]
     assert [e["name"] for e in events if e["ph"] == "i"] == ["reduce_grad+free"]
 

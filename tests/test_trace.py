@@ -268,8 +268,7 @@ def test_perfetto_document_exactly(tmp_path):
     ]
     path = Trace().to_perfetto(tmp_path / "nested" / "dir" / "t.json")
     assert json.loads(path.read_text(encoding="utf-8")) == {"traceEvents": [], "displayTimeUnit": "ns"}
-    trace = Trace()
-    trace.records.extend(records)
+    trace = Trace(0, records)
     doc = json.loads(trace.to_perfetto(tmp_path / "t.json").read_text(encoding="utf-8"))
 
     def span(state, pid, tid, ts, dur, first, **extra):
@@ -296,8 +295,7 @@ def test_perfetto_document_exactly(tmp_path):
 
 
 def test_perfetto_span_has_a_visible_minimum_duration(tmp_path):
-    trace = Trace()
-    trace.records.extend([_rec(0, 7_000, 0, "w", "fetch", "NOT_AVAILABLE", "AVAILABLE"),
-                          _rec(1, 7_000, 0, "w", "release", "AVAILABLE", "NOT_AVAILABLE")])
+    trace = Trace(0, [_rec(0, 7_000, 0, "w", "fetch", "NOT_AVAILABLE", "AVAILABLE"),
+                      _rec(1, 7_000, 0, "w", "release", "AVAILABLE", "NOT_AVAILABLE")])
     events = json.loads(trace.to_perfetto(tmp_path / "t.json").read_text(encoding="utf-8"))["traceEvents"]
     assert [e["dur"] for e in events if e["ph"] == "X"] == [0.001]

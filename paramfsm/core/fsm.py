@@ -16,6 +16,7 @@ This module imports neither ``torch`` nor ``cupy``; it is tested in milliseconds
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from typing import Mapping
@@ -49,14 +50,18 @@ class Outcome:
 
 
 class Table:
-    """The compiled spec: ``cells[state][event]`` is an Outcome or a 12-tuple of Outcomes."""
+    """The compiled spec: ``cells[state][event]`` is an Outcome or a 12-tuple of Outcomes.
 
-    __slots__ = ("spec", "cells", "events")
+    ``digest`` identifies what the spec does (see :func:`spec_digest`); traces carry it.
+    """
+
+    __slots__ = ("spec", "cells", "events", "digest")
 
     def __init__(self, spec: Spec, cells: Mapping[State, Mapping[str, object]]):
         self.spec = spec
         self.cells = cells
         self.events = frozenset(spec.events)
+        self.digest = spec_digest(spec)
 
     def outcome(self, state: State, event: str, holds: int, keep_graph: bool, retained: bool) -> Outcome:
         """The outcome for one concrete situation (slow path, for tests and replay)."""
@@ -64,6 +69,23 @@ class Table:
         if cell.__class__ is tuple:
             cell = cell[ext_class(holds, keep_graph, retained)]
         return cell
+
+
+def spec_digest(spec: Spec) -> str:
+    """12 hex digits that change exactly when the spec's behaviour does.
+
+    Hashed: the initial state, each state's holder rule, the event names and
+    every row's source, event, guards, kind, destination, effects and holder
+    change. Docs, reasons and the file's layout are left out, so rewording a
+    spec keeps its traces valid.
+    """
+    content = (
+        spec.initial,
+        sorted((s.name, s.holds_zero) for s in spec.states.values()),
+        sorted(spec.events),
+        sorted((r.src, r.event, r.when, r.kind, r.dst or "", r.effects, r.holds or "") for r in spec.rules),
+    )
+    return hashlib.sha256(repr(content).encode()).hexdigest()[:12]
 
 
 def ext_class(holds: int, keep_graph: bool, retained: bool) -> int:

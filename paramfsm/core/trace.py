@@ -1,7 +1,10 @@
 """Transition traces: one record per state change, dumped as JSON Lines, drawn in Perfetto, replayed.
 
-Tracing is off by default; when off, :func:`paramfsm.core.fsm.step` sees
-``ctx.trace is None`` and does no work for it.
+A :class:`Trace` keeps its records in one of three ways (see [Note: three ways
+to keep a trace]): a bounded ring, the flight recorder that is on by default;
+the whole run in memory (``trace=True``); or the whole run streamed to a JSON
+Lines file (``trace="run.jsonl"``). With ``trace=0``,
+:func:`paramfsm.core.fsm.step` sees ``ctx.trace is None`` and does no work for it.
 
 A trace is checked by replaying it through the compiled spec
 (:func:`replay`): each parameter's record sequence must start in the initial
@@ -14,16 +17,25 @@ This module imports neither ``torch`` nor ``cupy``.
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections import deque
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import attrs
 
+from paramfsm.core.perfetto import write_perfetto
 from paramfsm.core.spec import State
 
 FIELDS = ("seq", "t_ns", "rank", "step", "graph_task", "param", "unit", "event", "src", "dst",
-          "effects", "keep_graph", "retained", "holds", "nbytes")
+          "effects", "keep_graph", "retained", "holds", "nbytes", "spec")
+#: The event of a snapshot record: the parameter's state and holders where a trace window opens.
+SNAPSHOT = "snapshot"
+#: Records the flight recorder keeps by default (``PARAMFSM_TRACE_RECORDS`` overrides it).
+DEFAULT_RING = 8192
+#: Records a streamed trace buffers before it writes them.
+STREAM_BATCH = 4096
 
 
 @attrs.frozen(slots=True)
@@ -45,6 +57,7 @@ class TraceRecord:
     retained: bool = False
     holds: int = 0  # holders before the transition
     nbytes: int = 0  # bytes of the full parameter
+    spec: str = ""  # digest of the spec the run stepped under (paramfsm.core.fsm.Table.digest)
 
     def to_json(self) -> dict:
         return {f: (list(v) if f == "effects" else v) for f, v in zip(FIELDS, attrs.astuple(self))}
@@ -71,31 +84,170 @@ def _is_int(value) -> bool:
 
 _FIELD_CHECKS = {
     **dict.fromkeys(("seq", "t_ns", "rank", "step", "graph_task", "holds", "nbytes"), _is_int),
-    **dict.fromkeys(("param", "unit", "event", "src", "dst"), lambda v: isinstance(v, str)),
+    **dict.fromkeys(("param", "unit", "event", "src", "dst", "spec"), lambda v: isinstance(v, str)),
     **dict.fromkeys(("keep_graph", "retained"), lambda v: isinstance(v, bool)),
     "effects": lambda v: isinstance(v, list) and all(isinstance(e, str) for e in v),
 }
 
 
 class Trace:
-    """An append-only list of :class:`TraceRecord` for one rank."""
+    """The transition records of one rank: a bounded ring, the whole run in memory, or a stream.
 
-    def __init__(self, rank: int = 0, records: Iterable[TraceRecord] = ()):
+    [Note: three ways to keep a trace]
+    :func:`paramfsm.core.fsm.step` calls :meth:`append` with the raw facts of a
+    transition; they are kept as one tuple (no record object, no string
+    formatting) and become :class:`TraceRecord` only when read, so keeping a
+    trace costs about one tuple per transition.
+
+    * ``limit=N``: a ring of the last N transitions (the flight recorder). Its
+      memory does not grow with the run. Once it has dropped records, reading
+      it starts with :data:`SNAPSHOT` records that give each parameter's state
+      and holders where the window opens, so the window replays through the
+      spec from its first record like a whole trace does.
+    * ``limit=None``: every transition, in memory.
+    * ``path=...``: every transition, written to a JSON Lines file in batches
+      of :data:`STREAM_BATCH`; memory stays bounded. :meth:`flush` writes what
+      is buffered; :meth:`close` also closes the file.
+
+    ``digest`` (the spec's, see :attr:`paramfsm.core.fsm.Table.digest`) goes
+    into every record, so a trace checked against another spec says so.
+    ``lifetimes`` (the parameters' :class:`~paramfsm.core.fsm.Lifetime`
+    records) lets a snapshot name parameters that have no record in the window.
+    """
+
+    def __init__(self, rank: int = 0, records: Iterable[TraceRecord] = (), *, limit: int | None = None,
+                 path: str | Path | None = None, digest: str = "", lifetimes: Iterable = ()):
         self.rank = rank
-        self.records: list[TraceRecord] = list(records)
+        self.digest = digest
+        self.limit = limit
+        self.path = Path(path) if path is not None else None
+        self.lifetimes = tuple(lifetimes)
+        self._loaded: list[TraceRecord] = list(records)
+        self._done: list[TraceRecord] = []  # materialised raw entries (unbounded mode)
+        self._raw: deque | list = deque(maxlen=limit) if limit is not None else []
+        self._next_seq = itertools.count().__next__
+        self._seen = 0  # transitions appended so far (the next seq)
+        self._out = None
+        self._push = self._raw.append
+        self._about: dict = {}  # a streamed trace's JSON for each parameter's constant fields
+        self._effects: dict = {}  # ... and for each effects tuple
+        if self.path is not None:
+            if limit is not None:
+                raise ValueError("a streamed trace keeps every record: give limit or path, not both")
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._out = self.path.open("w", encoding="utf-8")
+            self._push = self._stream_push
+
+    @property
+    def mode(self) -> str:
+        """``"ring"``, ``"full"`` or ``"stream"``."""
+        return "stream" if self.path is not None else "ring" if self.limit is not None else "full"
 
     def append(self, t_ns, ctx, rec, event, src, dst, effects, keep_graph, retained, holds) -> None:
         """Called by :func:`paramfsm.core.fsm.step` for each transition while tracing is on."""
-        self.records.append(TraceRecord(
-            len(self.records), t_ns, ctx.rank, ctx.step, ctx.graph_task, rec.name, rec.unit,
-            event, src.name, dst.name, effects, bool(keep_graph), bool(retained), holds, rec.nbytes,
-        ))
+        self._push((self._next_seq(), t_ns, ctx.step, ctx.graph_task, rec, event, src, dst, effects,
+                    keep_graph, retained, holds))
+
+    def _stream_push(self, entry) -> None:
+        raw = self._raw
+        raw.append(entry)
+        if len(raw) >= STREAM_BATCH:
+            self.flush()
+
+    def _record(self, e) -> TraceRecord:
+        seq, t_ns, step, graph_task, rec, event, src, dst, effects, keep_graph, retained, holds = e
+        return TraceRecord(seq, t_ns, self.rank, step, graph_task, rec.name, rec.unit, event, src.name, dst.name,
+                           effects, bool(keep_graph), bool(retained), holds, rec.nbytes, self.digest)
+
+    @property
+    def records(self) -> list[TraceRecord]:
+        """Every record kept, oldest first (a ring that dropped records opens with snapshot records)."""
+        if self.path is not None:
+            self.flush()
+            return self._loaded + list(iter_jsonl(self.path))
+        if self.limit is not None:
+            return self._loaded + self._snapshot() + [self._record(e) for e in self._raw]
+        raw, done = self._raw, self._done
+        if len(done) < len(raw):
+            done.extend(self._record(e) for e in raw[len(done):])
+        return self._loaded + done
+
+    def _snapshot(self) -> list[TraceRecord]:
+        """Where a ring's window opens, for the parameters not resting there (empty if nothing was dropped).
+
+        A parameter's state at the window's start is the source of its first
+        record in the window; one without records is where it is now.
+        """
+        raw = self._raw
+        first_seq = raw[0][0] if raw else self.appended
+        if first_seq == 0:
+            return []
+        start: dict = {}
+        for e in raw:
+            start.setdefault(e[4], (e[6], e[11]))
+        for rec in self.lifetimes:
+            start.setdefault(rec, (rec.state, rec.holds))
+        t_ns, step, graph_task = (raw[0][1], raw[0][2], raw[0][3]) if raw else (0, 0, -1)
+        return [TraceRecord(first_seq, t_ns, self.rank, step, graph_task, rec.name, rec.unit, SNAPSHOT,
+                            state.name, state.name, (), False, False, holds, rec.nbytes, self.digest)
+                for rec, (state, holds) in start.items() if state.name != _RESTING or holds]
+
+    @property
+    def appended(self) -> int:
+        """Transitions appended so far (the seq the next one gets)."""
+        raw = self._raw
+        return raw[-1][0] + 1 if raw else self._seen
+
+    def flush(self) -> None:
+        """A streamed trace: write the buffered records now (cheap when nothing is buffered)."""
+        out, raw = self._out, self._raw
+        if out is None or not raw:
+            return
+        self._seen = raw[-1][0] + 1
+        out.write("".join(map(self._line, raw)))
+        out.flush()
+        raw.clear()
+
+    def _line(self, e) -> str:
+        """One raw entry as a JSON line, the same object as ``TraceRecord.to_json`` (formatted directly:
+        a streamed trace writes every transition, so this is its cost)."""
+        seq, t_ns, step, graph_task, rec, event, src, dst, effects, keep_graph, retained, holds = e
+        about = self._about.get(rec)
+        if about is None:
+            about = self._about[rec] = (json.dumps(rec.name), json.dumps(rec.unit), rec.nbytes)
+        name, unit, nbytes = about
+        listed = self._effects.get(effects)
+        if listed is None:
+            listed = self._effects[effects] = json.dumps(list(effects), separators=(",", ":"))
+        return (f'{{"seq":{seq},"t_ns":{t_ns},"rank":{self.rank},"step":{step},"graph_task":{graph_task},'
+                f'"param":{name},"unit":{unit},"event":"{event}","src":"{src.name}","dst":"{dst.name}",'
+                f'"effects":{listed},"keep_graph":{_BOOL[bool(keep_graph)]},"retained":{_BOOL[bool(retained)]},'
+                f'"holds":{holds},"nbytes":{nbytes},"spec":"{self.digest}"}}\n')
+
+    def close(self) -> None:
+        """Flush and close a streamed trace's file (the records stay readable)."""
+        self.flush()
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+            self._push = self._raw.append
 
     def clear(self) -> None:
-        self.records.clear()
+        """Forget every record kept (a streamed trace starts its file again)."""
+        if self._raw:
+            self._seen = self._raw[-1][0] + 1
+        self._raw.clear()
+        self._done.clear()
+        self._loaded.clear()
+        if self._out is not None:
+            self._out.seek(0)
+            self._out.truncate()
 
     def __len__(self) -> int:
-        return len(self.records)
+        """Records kept (for a stream, every record written or buffered)."""
+        if self.path is not None:
+            return self.appended
+        return len(self._loaded) + len(self._raw)
 
     def count(self, effect: str, **match) -> int:
         """How many records carry ``effect`` and match every ``field=value`` given."""
@@ -108,8 +260,9 @@ class Trace:
         """Write the records as JSON Lines, one object per transition."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        records = self.records
         with path.open("w", encoding="utf-8") as out:
-            for r in self.records:
+            for r in records:
                 out.write(json.dumps(r.to_json(), separators=(",", ":")) + "\n")
         return path
 
@@ -124,7 +277,12 @@ class Trace:
         return write_perfetto(self.records, path)
 
 
+_RESTING = State.NOT_AVAILABLE.name
+_BOOL = {False: "false", True: "true"}
+
+
 def iter_jsonl(path: str | Path) -> Iterator[TraceRecord]:
+    """The records of a JSON Lines trace; ValueError names the line of a malformed one."""
     with Path(path).open(encoding="utf-8") as src:
         for lineno, line in enumerate(src, start=1):
             if not line.strip():
@@ -133,58 +291,8 @@ def iter_jsonl(path: str | Path) -> Iterator[TraceRecord]:
                 yield TraceRecord.from_json(json.loads(line))
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a trace record: {exc}") from None
-
-
-def write_perfetto(records: list[TraceRecord], path: str | Path) -> Path:
-    """One process per rank, one track (thread) per parameter, one span per state visited.
-
-    [Note: spans from transitions]
-    A record marks the end of the span in ``src`` and the start of one in
-    ``dst``. NOT_AVAILABLE spans are not drawn (it is the resting state), so
-    the tracks show exactly when memory beyond the shard was live. A span
-    still open at the end of the trace is closed at the last timestamp and
-    flagged ``open: true``; a leak shows up as such a span.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    events: list[dict] = []
-    if records:
-        t0 = min(r.t_ns for r in records)
-        t_end = max(r.t_ns for r in records)
-        tids: dict[tuple[int, str], int] = {}
-        open_spans: dict[tuple[int, str], tuple[str, int, TraceRecord]] = {}
-        for r in records:
-            key = (r.rank, r.param)
-            if key not in tids:
-                tids[key] = len(tids) + 1
-                events.append({"ph": "M", "name": "thread_name", "pid": r.rank, "tid": tids[key],
-                               "args": {"name": f"{r.param} [{r.unit}]"}})
-            if key in open_spans:
-                state, start, first = open_spans.pop(key)
-                events.append(_span(state, start, r.t_ns, t0, r.rank, tids[key], first, closed_by=r))
-            if r.dst != State.NOT_AVAILABLE.name:
-                open_spans[key] = (r.dst, r.t_ns, r)
-            if r.effects:
-                events.append({"ph": "i", "s": "t", "name": "+".join(r.effects), "pid": r.rank,
-                               "tid": tids[key], "ts": (r.t_ns - t0) / 1000.0,
-                               "args": {"event": r.event, "step": r.step, "graph_task": r.graph_task}})
-        for key, (state, start, first) in open_spans.items():
-            events.append(_span(state, start, t_end, t0, key[0], tids[key], first, closed_by=None))
-        for rank in sorted({r.rank for r in records}):
-            events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}), encoding="utf-8")
-    return path
-
-
-def _span(state, start, end, t0, pid, tid, first: TraceRecord, closed_by) -> dict:
-    args = {"entered_by": first.event, "step": first.step, "graph_task": first.graph_task,
-            "bytes": first.nbytes}
-    if closed_by is None:
-        args["open"] = True
-    else:
-        args["left_by"] = closed_by.event
-    return {"ph": "X", "name": state, "cat": "lifetime", "pid": pid, "tid": tid,
-            "ts": (start - t0) / 1000.0, "dur": max((end - start) / 1000.0, 0.001), "args": args}
+            except RecursionError:
+                raise ValueError(f"{path}:{lineno}: not a trace record: nested too deeply") from None
 
 
 @attrs.frozen(slots=True)
@@ -205,16 +313,28 @@ def replay(records: Iterable[TraceRecord], table) -> ReplayError | None:
     """Replay records through a compiled table; return the first illegal one, or None.
 
     ``table`` is a :class:`paramfsm.core.fsm.Table` (passed in, so this module
-    does not depend on how the spec was chosen).
+    does not depend on how the spec was chosen). A :data:`SNAPSHOT` record
+    sets where its parameter starts (a flight-recorder window); records made
+    under another spec (their ``spec`` digest differs from the table's) fail.
     """
     current: dict[tuple[int, str], tuple[State, int]] = {}
+    digest = getattr(table, "digest", "")
     for index, r in enumerate(records):
+        if r.spec and digest and r.spec != digest:
+            return ReplayError(index, r, f"the trace was recorded under spec {r.spec}, not under "
+                                         f"{table.spec.file} ({digest}); check it against the spec it was made with")
         key = (r.rank, r.param)
-        state, holds = current.get(key, (State[table.spec.initial], 0))
         try:
             src, dst = State[r.src], State[r.dst]
         except KeyError as exc:
             return ReplayError(index, r, f"unknown state {exc.args[0]!r}")
+        if r.event == SNAPSHOT:
+            if key in current or src is not dst or r.holds < 0:
+                return ReplayError(index, r, "a snapshot record must open the parameter's records "
+                                             "and name one state")
+            current[key] = (dst, r.holds)
+            continue
+        state, holds = current.get(key, (State[table.spec.initial], 0))
         if src is not state:
             return ReplayError(index, r, f"the previous records left the parameter in {state.name}, not {r.src}")
         if r.holds != holds:

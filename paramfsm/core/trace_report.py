@@ -98,9 +98,7 @@ class Summary:
             f"gathers: {self.gathers} ({_bytes(self.gathered_bytes)})",
             f"deferred windows: {d.count} ({d.open} open), total {_ms(d.total_ns)} ms, "
             f"longest {_ms(d.max_ns)} ms, at most {_bytes(d.max_concurrent_bytes)} deferred at once on a rank",
-            "records per graph task: " + (", ".join(
-                f"{'outside backward' if task == -1 else task}: {n}" for task, n in self.graph_tasks.items()
-            ) or "none"),
+            _per_task(self.graph_tasks),
         ]
         if not self.leaks:
             lines.append("leaks: none (every parameter ends NOT_AVAILABLE)")
@@ -110,6 +108,24 @@ class Summary:
             lines.append(f"  rank {leak.rank} '{leak.param}' (unit '{leak.unit}') ends {leak.state}; last records:")
             lines.extend(f"    {_describe(r)}" for r in leak.last)
         return "\n".join(lines)
+
+
+#: Graph tasks listed one by one; past this many, the line gives their count and spread instead.
+TASKS_LISTED = 6
+
+
+def _per_task(graph_tasks: Mapping[int, int]) -> str:
+    """The records-per-graph-task line, short however long the run."""
+    outside = graph_tasks.get(-1)
+    tasks = {t: n for t, n in graph_tasks.items() if t != -1}
+    parts = [f"outside backward: {outside}"] if outside is not None else []
+    if len(tasks) <= TASKS_LISTED:
+        parts += [f"{task}: {n}" for task, n in tasks.items()]
+    else:
+        counts = sorted(tasks.values())
+        parts.append(f"{len(tasks)} graph tasks ({min(tasks)}..{max(tasks)}), records per task min {counts[0]}, "
+                     f"median {counts[len(counts) // 2]}, max {counts[-1]}")
+    return "records per graph task: " + (", ".join(parts) or "none")
 
 
 def summarize(records: Iterable[TraceRecord], leak_tail: int = LEAK_TAIL) -> Summary:

@@ -62,9 +62,10 @@ def audit_leaks(scheduler, strict: bool = False) -> list[Leak]:
         message = f"paramfsm leak audit on rank {scheduler.ctx.rank}, step {scheduler.ctx.step}: " + \
             f"{len(leaks)} parameter(s) still gathered after the final backward:\n  " + \
             "\n  ".join(str(leak) for leak in leaks) + \
-            "\nWhat to do: re-run with paramfsm.shard(..., trace=True), dump rt.trace and run " \
-            "`paramfsm trace summary` on it to see each leaked parameter's last records."
+            "\nWhat to do: run `paramfsm trace summary` on the flight-recorder dump (or on a full trace: " \
+            "paramfsm.shard(..., trace=True), rt.trace.dump(...)) to see each leaked parameter's last records."
         if strict:
             raise LeakError(message)
-        log.warning(message)
+        path = scheduler.report_failure(None, "leak")
+        log.warning(message + (f"\nFlight-recorder dump: {path}" if path is not None else ""))
     return leaks

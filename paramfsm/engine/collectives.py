@@ -1,7 +1,10 @@
 """Collectives as free functions over tensors and a process group; they never read FSM state.
 
 Each returns a work handle (or None when the world has one rank and nothing
-has to move). torch 2.13 names the flat collectives ``all_gather_single`` /
+has to move). The blocking ones take ``wait``, the function that waits for
+the work handle on the host (:func:`waiter` builds one with a time limit, so
+no wait hangs forever; see [Note: every host wait has a limit]). torch 2.13
+names the flat collectives ``all_gather_single`` /
 ``reduce_scatter_single``; older releases call them ``all_gather_into_tensor``
 / ``reduce_scatter_tensor``. Both are looked up once here.
 """
@@ -9,6 +12,9 @@ has to move). torch 2.13 names the flat collectives ``all_gather_single`` /
 from __future__ import annotations
 
 import os
+import time
+from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,6 +66,65 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Seconds a host wait on a collective may take by default (``PARAMFSM_COLLECTIVE_TIMEOUT`` overrides).
+DEFAULT_TIMEOUT_S = 600.0
+TIMEOUT_ENV = "PARAMFSM_COLLECTIVE_TIMEOUT"
+
+
+def timeout_s(value: float | None = None) -> float:
+    """The collective time limit: ``value`` if given, else ``$PARAMFSM_COLLECTIVE_TIMEOUT``, else the default."""
+    if value is None:
+        text = os.environ.get(TIMEOUT_ENV, "").strip()
+        try:
+            value = float(text) if text else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={text!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"collective timeout {value!r}: must be a positive number of seconds")
+    return float(value)
+
+
+def waiter(limit_s: float, timed_out: Callable[[float], BaseException]) -> Callable:
+    """A ``wait(work)`` that raises ``timed_out(seconds waited)`` once ``limit_s`` has passed.
+
+    [Note: every host wait has a limit]
+    A peer that stalls (it sleeps, deadlocks or skipped a collective) leaves a
+    plain ``work.wait()`` blocked forever. Every wait of the host on a
+    collective therefore goes through a waiter: gloo's ``Work.wait(timeout)``
+    raises "timed out" past the limit, and the waiter turns that into the
+    caller's error (:class:`~paramfsm.errors.CollectiveTimeout`, naming the
+    collective, unit, step and rank). Waits that a CUDA stream makes (the
+    device lanes of :mod:`paramfsm.engine.streams`) block no host thread;
+    NCCL's watchdog bounds them (``init_process_group(timeout=...)``).
+    """
+    limit = timedelta(seconds=limit_s)
+
+    def wait(work) -> None:
+        if work is None:
+            return
+        start = time.monotonic()
+        try:
+            work.wait(timeout=limit)
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+            raise timed_out(time.monotonic() - start) from None
+
+    return wait
+
+
+def _plain_wait(work) -> None:
+    """``work.wait()``: for CUDA tensors a stream wait, which blocks no host thread."""
+    if work is not None:
+        work.wait()
+
+
+def _on(tensor: torch.Tensor, wait: Callable | None) -> Callable:
+    """The wait for a collective on ``tensor``: ``wait`` (a waiter) for CPU tensors; for CUDA ones, or
+    without a waiter, ``work.wait()``."""
+    return wait if wait is not None and tensor.device.type == "cpu" else _plain_wait
+
+
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
     """All-gather ``inp`` (S elements) from every rank into ``out`` (world*S, rank-major)."""
     return _ALL_GATHER(out, inp, group=group, async_op=async_op)
@@ -70,18 +135,18 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: b
     return _REDUCE_SCATTER(out, inp, group=group, async_op=async_op)
 
 
-def all_gather_tags(tag: torch.Tensor, world: int, group) -> torch.Tensor:
+def all_gather_tags(tag: torch.Tensor, world: int, group, wait: Callable | None = None) -> torch.Tensor:
     """All-gather a small 1-D tag vector, blocking; one row per rank (the rank-order check's header)."""
     out = torch.empty(world * tag.numel(), dtype=tag.dtype, device=tag.device)
-    _ALL_GATHER(out, tag, group=group, async_op=False)
+    _on(tag, wait)(_ALL_GATHER(out, tag, group=group, async_op=True))
     return out.view(world, -1)
 
 
-def all_reduce_sum(tensor: torch.Tensor, group) -> None:
+def all_reduce_sum(tensor: torch.Tensor, group, wait: Callable | None = None) -> None:
     """Sum ``tensor`` over ranks, in place (blocking)."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    _on(tensor, wait)(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
 
-def all_reduce_max(tensor: torch.Tensor, group) -> None:
+def all_reduce_max(tensor: torch.Tensor, group, wait: Callable | None = None) -> None:
     """Element-wise maximum of ``tensor`` over ranks, in place (blocking)."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    _on(tensor, wait)(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine.plan import PassState
 
-FORWARD_BEGIN, FORWARD_END = "forward_begin", "forward_end"
+FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED = "forward_begin", "forward_end", "forward_failed"
 PRE_FORWARD, POST_FORWARD = "pre_forward", "post_forward"
 PRE_BACKWARD, POST_BACKWARD = "pre_backward", "post_backward"
 GRAD_READY, BACKWARD_END, GRAPH_FREED = "grad_ready", "backward_end", "graph_freed"

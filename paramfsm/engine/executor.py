@@ -40,9 +40,10 @@ import functools
 import torch
 
 from paramfsm.engine import kernels, placeholder, rankcheck
-from paramfsm.engine.collectives import all_gather_flat, reduce_scatter_flat
+from paramfsm.engine.collectives import DEFAULT_TIMEOUT_S, all_gather_flat, reduce_scatter_flat, waiter
 from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.engine.streams import GATHER, REDUCE, HostStreams
+from paramfsm.errors import CollectiveTimeout
 
 #: Reduce-scatters issued and not yet waited on, at most (each holds a full-size gradient bucket).
 MAX_REDUCES_IN_FLIGHT = 2
@@ -93,8 +94,9 @@ class Executor:
     """Runs gather / free / reduce effects for one process group."""
 
     def __init__(self, group, rank: int, world: int, *, param_dtype=None, reduce_dtype=None,
-                 bucket_bytes: int = 1 << 20, streams=None):
+                 bucket_bytes: int = 1 << 20, streams=None, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.group, self.rank, self.world = group, rank, world
+        self.timeout_s = timeout_s  # the limit of every host wait on a collective
         self.streams = streams if streams is not None else HostStreams()
         # World 1 needs no collective: the shard is the parameter. The GPU check turns this
         # off to drive the full path (packing kernels, NCCL, streams) on a single device.
@@ -150,7 +152,7 @@ class Executor:
                     shards.append(rankcheck.encode(fields, dtype, first.device))
                 else:
                     rankcheck.check_header(fields, self.rank, self.world, self.group, self.unit_names,
-                                           "all-gather")
+                                           "all-gather", self.timed_wait("rank-check header", records))
             layout = kernels.shard_layout(numels, self.world)
             gather = Gather(records, layout, tagged)
             gather.ticket = self.streams.launch(GATHER, self._issue_gather, gather, shards, dtype)
@@ -205,7 +207,10 @@ class Executor:
         See [Note: persistent full storage] for where the full tensors live.
         """
         work, gather.work = gather.work, None
-        work.wait()
+        if self.streams.asynchronous:
+            work.wait()  # on the gather lane: a stream wait, see [Note: every host wait has a limit]
+        else:
+            self.timed_wait(f"all-gather #{self.counters.all_gathers}", gather.records)(work)
         recv, records = gather.recv, gather.records
         gather.recv = None
         tag = torch.empty(rankcheck.TAG_NUMEL * self.world, dtype=recv.dtype, device=recv.device) \
@@ -305,7 +310,8 @@ class Executor:
             step = self.ctx.step if self.ctx is not None else 0
             unit = records[0].units[0].index if records[0].units else -1
             rankcheck.check_header((self.counters.reduce_scatters, step, unit, layout.total),
-                                   self.rank, self.world, self.group, self.unit_names, "reduce-scatter")
+                                   self.rank, self.world, self.group, self.unit_names, "reduce-scatter",
+                                   self.timed_wait("rank-check header", records))
         ticket = self.streams.launch(REDUCE, self._issue_reduce, layout, dtype, grads)
         self._reduces.append((ticket, records, layout))
         self.counters.reduce_scatters += 1
@@ -338,15 +344,30 @@ class Executor:
             return out, None
         return out, work
 
-    def _join_reduce(self, ticket) -> torch.Tensor:
+    def _join_reduce(self, ticket, records) -> torch.Tensor:
         out, work = self.streams.join(ticket)
         if work is not None:
-            work.wait()
+            self.timed_wait("reduce-scatter", records)(work)
         return out
+
+    def timed_wait(self, what: str, records):
+        """A host wait on the collective ``what`` for ``records``, bounded by ``timeout_s``.
+
+        Past the limit it raises :class:`~paramfsm.errors.CollectiveTimeout`
+        (see [Note: every host wait has a limit]).
+        """
+        units = ", ".join(dict.fromkeys(rec.unit for rec in records)) if records else "(every unit)"
+
+        def timed_out(waited: float) -> CollectiveTimeout:
+            step = self.ctx.step if self.ctx is not None else 0
+            return CollectiveTimeout(collective=what, unit=units, step=step, rank=self.rank, waited_s=waited,
+                                     limit_s=self.timeout_s)
+
+        return waiter(self.timeout_s, timed_out)
 
     def _complete(self, reduce) -> None:
         ticket, records, layout = reduce
-        out = self._join_reduce(ticket)
+        out = self._join_reduce(ticket, records)
         for rec, piece in zip(records, out.split(layout.shard_numels)):
             self._accumulate(rec, piece)
 
@@ -360,8 +381,8 @@ class Executor:
         """
         self._grads, self._grad_bytes = [], 0
         reduces, self._reduces = self._reduces, []
-        for ticket, *_ in reduces:
-            self._join_reduce(ticket)
+        for ticket, records, _ in reduces:
+            self._join_reduce(ticket, records)
 
     @staticmethod
     def _accumulate(rec, flat_grad) -> None:

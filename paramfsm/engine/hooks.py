@@ -19,7 +19,8 @@ later backward through it fetches the unit first (see
 :mod:`paramfsm.engine.higher_order`); the post-backward hooks do the same for the
 gradients of the unit's inputs.
 
-On the root module: ``FORWARD_BEGIN`` / ``FORWARD_END`` around the forward.
+On the root module: ``FORWARD_BEGIN`` / ``FORWARD_END`` around the forward, or
+``FORWARD_FAILED`` when the forward raised (the flight recorder dumps then).
 
 [Note: why post-backward rides on the inputs]
 The gradient of a unit's inputs is complete only after every backward node
@@ -32,6 +33,7 @@ layer) is released by the scheduler at the end of the graph task.
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import torch
@@ -40,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine import higher_order
 from paramfsm.engine.events import (
-    FORWARD_BEGIN, FORWARD_END, GRAD_READY, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event,
+    FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event,
     ForwardCall,
 )
 
@@ -137,6 +139,17 @@ def _on_grad_accumulated(emit, record, param):
     emit(Event(GRAD_READY, graph_task=gt.backward_task(), keep_graph=gt.keeps_graph(), record=record))
 
 
+def _root_forward_end(emit, module, args, output) -> None:
+    """``FORWARD_END``, or ``FORWARD_FAILED`` when the forward raised.
+
+    Registered with ``always_call=True``: torch calls it from the ``except``
+    block of a forward that raised (with no output), so the exception being
+    handled is how the failure is told apart.
+    """
+    failed = output is None and sys.exc_info()[1] is not None
+    emit(Event(FORWARD_FAILED if failed else FORWARD_END, None, gt.current_task()))
+
+
 def install(root: torch.nn.Module, units, records, emit) -> list:
     """Register every hook; returns the handles so ``rt.close()`` can remove them."""
     handles = [
@@ -147,8 +160,7 @@ def install(root: torch.nn.Module, units, records, emit) -> list:
         handles.append(unit.module.register_forward_pre_hook(
             partial(_pre_forward, emit, unit), with_kwargs=True))
         handles.append(unit.module.register_forward_hook(partial(_post_forward, emit, unit)))
-    handles.append(root.register_forward_hook(
-        lambda module, args, output: emit(Event(FORWARD_END, None, gt.current_task()))))
+    handles.append(root.register_forward_hook(partial(_root_forward_end, emit), always_call=True))
     for rec in records:
         if rec.requires_grad:
             watch_grads(rec, emit)

@@ -59,10 +59,14 @@ def check_encoded(rows: torch.Tensor, rank: int, unit_names) -> None:
     _raise(decode(rows), rank, unit_names, "all-gather")
 
 
-def check_header(fields: tuple[int, ...], rank: int, world: int, group, unit_names, what: str) -> None:
-    """The ``debug=True`` check: all-gather the tag alone (fixed size) before the collective ``what``."""
+def check_header(fields: tuple[int, ...], rank: int, world: int, group, unit_names, what: str,
+                 wait=None) -> None:
+    """The ``debug=True`` check: all-gather the tag alone (fixed size) before the collective ``what``.
+
+    ``wait`` waits for the header's all-gather (a time-limited waiter from the executor).
+    """
     header = torch.tensor([f & 0xFFFFFFFF for f in fields], dtype=torch.int64)
-    rows = all_gather_tags(header, world, group)
+    rows = all_gather_tags(header, world, group, wait)
     if bool((rows == rows[:1]).all()):
         return
     _raise([tuple(int(v) for v in row) for row in rows], rank, unit_names, what)

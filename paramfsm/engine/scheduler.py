@@ -51,7 +51,7 @@ from paramfsm.engine import graph_task as gt
 from paramfsm.engine import partitioned
 from paramfsm.engine.audit import audit_leaks
 from paramfsm.engine.events import (
-    BACKWARD_END, FLUSH, FORWARD_BEGIN, FORWARD_END, GRAD_READY, GRAPH_FREED, POST_BACKWARD, POST_FORWARD,
+    BACKWARD_END, FLUSH, FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, GRAPH_FREED, POST_BACKWARD, POST_FORWARD,
     PRE_BACKWARD, PRE_FORWARD, Event, ForwardCall, TaskState,
 )
 from paramfsm.engine.plan import PassState, Plan
@@ -87,6 +87,8 @@ class Scheduler:
         self.tasks_begun = 0
         self.last_audit: list = []
         self.closed = False
+        # The flight recorder's ``failed(exc, reason)`` (paramfsm.engine.flight); set by the runtime.
+        self.on_failure = None
         self._queue: deque = deque()
         self._draining = False
         self._gather_batch: list = []
@@ -105,6 +107,7 @@ class Scheduler:
             PRE_BACKWARD: self._on_pre_backward, POST_BACKWARD: self._on_post_backward,
             GRAD_READY: self._on_grad_ready, BACKWARD_END: self._on_backward_end,
             GRAPH_FREED: self._on_graph_freed, FLUSH: lambda ev: self.flush(),
+            FORWARD_FAILED: lambda ev: self.report_failure(None, "forward-exception"),
         }
 
     # ------------------------------------------------------------------ queue
@@ -124,11 +127,19 @@ class Scheduler:
                 ev = queue.popleft()
                 ctx.graph_task = ev.graph_task
                 handlers[ev.kind](ev)
-        except BaseException:
+        except BaseException as exc:
             self._queue.clear()
+            if isinstance(exc, Exception):
+                self.report_failure(exc)
             raise
         finally:
             self._draining = False
+
+    def report_failure(self, exc: BaseException | None, reason: str | None = None):
+        """Hand a failure to the flight recorder (it dumps the trace); returns the dump's path or None."""
+        if self.on_failure is None:
+            return None
+        return self.on_failure(exc, reason)
 
     # ------------------------------------------------------------------ steps
     def _step(self, rec, event: str, keep_graph: bool = False, retained: bool = False) -> None:
@@ -377,6 +388,7 @@ class Scheduler:
     def recover(self, why: str) -> None:
         """Return every parameter to NOT_AVAILABLE after an interrupted forward or backward."""
         log.warning("paramfsm: resetting gathered parameters on rank %d: %s", self.ctx.rank, why)
+        self.report_failure(None, "interrupted")
         self._queue.clear()
         self.tasks.clear()
         self.forward_open = False
