@@ -8,10 +8,12 @@ reduce-scatter). See the README for the public contract.
 """
 
 from paramfsm.core.spec import State
-from paramfsm.errors import IllegalTransition, NotGathered, ParamFSMError, RankDesync, SpecError
+from paramfsm.errors import (
+    CollectiveTimeout, IllegalTransition, NotGathered, ParamFSMError, RankDesync, SpecError,
+)
 
 __all__ = ["shard", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync",
-           "NotGathered"]
+           "CollectiveTimeout", "NotGathered"]
 __version__ = "0.1.0"
 
 

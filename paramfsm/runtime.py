@@ -258,6 +258,21 @@ class Runtime:
                 error_if_nonfinite=error_if_nonfinite, wait=self.executor.timed_wait("all-reduce of the norm", ()))
 
     # ------------------------------------------------------------------ control
+    def set_step(self, step: int) -> None:
+        """Name the training step about to run; call it on every rank at the top of each iteration.
+
+        Forwards from now on carry ``step`` (in traces, dumps and the rank-order
+        check) instead of a count of root forwards. A count cannot tell a step
+        a rank skipped (``continue`` before the forward) from one it took, so
+        the skipping rank's next step would silently pair with its peers'
+        current one; a named step makes that rank's next collective raise
+        RankDesync (on the CPU with the default check, everywhere with
+        ``debug=True``).
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ParamFSMError(f"rt.set_step({step!r}): expected a training step number >= 0")
+        self.scheduler.pinned_step = step
+
     def backward(self, loss, retain_graph=None, create_graph: bool = False, **kwargs) -> None:
         """``loss.backward(...)``; identical to calling it directly (kept for explicitness and fallback)."""
         keep = create_graph if retain_graph is None else retain_graph

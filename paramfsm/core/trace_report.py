@@ -29,7 +29,7 @@ from typing import Iterable, Mapping, Sequence
 import attrs
 
 from paramfsm.core.spec import State
-from paramfsm.core.trace import TraceRecord
+from paramfsm.core.trace import SNAPSHOT, TraceRecord
 
 LEAK_TAIL = 5  # records shown per leaked parameter
 DIFF_FIELDS = ("step", "param", "unit", "event", "src", "dst", "effects")
@@ -231,8 +231,16 @@ def diff(records_a: Iterable[TraceRecord], records_b: Iterable[TraceRecord]) -> 
     Timestamps, ranks, graph task ids and sequence numbers legitimately
     differ between ranks; the step, parameter, unit, event, states and
     effects must not. Returns None when the traces agree.
+
+    Flight-recorder dumps start wherever each rank's ring started: both are
+    compared from the later first ``seq`` on (ranks running the same program
+    number their transitions alike), without their snapshot records.
     """
-    a, b = list(records_a), list(records_b)
+    a = [r for r in records_a if r.event != SNAPSHOT]
+    b = [r for r in records_b if r.event != SNAPSHOT]
+    if a and b:
+        start = max(a[0].seq, b[0].seq)
+        a, b = [r for r in a if r.seq >= start], [r for r in b if r.seq >= start]
     for index, (ra, rb) in enumerate(zip(a, b)):
         for field in DIFF_FIELDS:
             if _value(ra, field) != _value(rb, field):

@@ -351,11 +351,7 @@ class Executor:
         return out
 
     def timed_wait(self, what: str, records):
-        """A host wait on the collective ``what`` for ``records``, bounded by ``timeout_s``.
-
-        Past the limit it raises :class:`~paramfsm.errors.CollectiveTimeout`
-        (see [Note: every host wait has a limit]).
-        """
+        """A host wait on ``what`` for ``records``; past ``timeout_s`` it raises CollectiveTimeout."""
         units = ", ".join(dict.fromkeys(rec.unit for rec in records)) if records else "(every unit)"
 
         def timed_out(waited: float) -> CollectiveTimeout:

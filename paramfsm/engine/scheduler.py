@@ -87,8 +87,9 @@ class Scheduler:
         self.tasks_begun = 0
         self.last_audit: list = []
         self.closed = False
-        # The flight recorder's ``failed(exc, reason)`` (paramfsm.engine.flight); set by the runtime.
-        self.on_failure = None
+        # The flight recorder's ``failed(exc, reason)`` (paramfsm.engine.flight), and the training step
+        # given by rt.set_step (None: count root forwards); both set by the runtime.
+        self.on_failure = self.pinned_step = None
         self._queue: deque = deque()
         self._draining = False
         self._gather_batch: list = []
@@ -250,7 +251,7 @@ class Scheduler:
         if partitioned.REQUIRES_GRAD_CHANGED:
             partitioned.apply_requires_grad_changes(self._records, self.emit)
         self.flush()
-        self.ctx.step += 1
+        self.ctx.step = self.pinned_step if self.pinned_step is not None else self.ctx.step + 1
         self.forward = PassState()
         self.forward_open = True
 
