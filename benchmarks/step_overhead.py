@@ -12,12 +12,17 @@ the four are measured in interleaved rounds and each keeps its best round's
 median, so drift of a shared machine does not favour one of them. AG/RS per
 step are paramfsm world 2's steady-state collectives.
 
+A third table runs model (c), 8 residual blocks of two Linear(256, 256),
+with activation checkpointing per block (none, non-reentrant, reentrant):
+paramfsm world 2 against its own non-checkpointed step, with collectives
+per step, and plain torch with the same checkpointing.
+
 A second table prices the trace at world 2, in the same rounds: no trace
 (``trace=0``), the default flight recorder (a bounded ring), every transition
 in memory (``trace=True``) and every transition streamed to a file
 (``trace="....jsonl"``); ratios are against no trace.
 
-    python benchmarks/step_overhead.py [--steps 30] [--warmup 5] [--only a|b]
+    python benchmarks/step_overhead.py [--steps 30] [--warmup 5] [--only a|b|c]
 """
 
 from __future__ import annotations
@@ -31,18 +36,48 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from paramfsm.launch import RankPool
 
-MODELS = {"a": (200, 8), "b": (16, 1024)}
+MODELS = {"a": (200, 8), "b": (16, 1024), "c": (8, 256)}
+#: Model (c)'s variants: activation checkpointing per block.
+CHECKPOINTING = {"c": None, "c-nonreentrant": "non-reentrant", "c-reentrant": "reentrant"}
 #: The trace settings priced in the second table (``shard(..., trace=...)``; "stream" writes a temp file).
 TRACE_MODES = {"off": 0, "recorder": False, "full": True, "stream": "stream"}
 BATCH = 32
 
 
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+class Checkpointed(nn.Module):
+    """An input Linear, then residual blocks, each checkpointed as ``mode`` says (None: not at all)."""
+
+    def __init__(self, depth: int, width: int, mode: str | None):
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.mode = mode
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x) if self.mode is None else checkpoint(block, x, use_reentrant=self.mode == "reentrant")
+        return x
+
+
 def build(name: str) -> nn.Module:
-    depth, width = MODELS[name]
     torch.manual_seed(0)
+    if name.startswith("c"):
+        return Checkpointed(*MODELS["c"], CHECKPOINTING[name])
+    depth, width = MODELS[name]
     return nn.Sequential(*(nn.Linear(width, width) for _ in range(depth)))
 
 
@@ -64,7 +99,7 @@ def time_steps(model, params, steps: int, warmup: int, width: int) -> float:
 def plain_job(rank, world, name: str, steps: int, warmup: int) -> float:
     """Plain torch, no process group use: the baseline (run in a worker so threads match)."""
     model = build(name)
-    return time_steps(model, model.parameters(), steps, warmup, MODELS[name][1])
+    return time_steps(model, model.parameters(), steps, warmup, MODELS[name[0]][1])
 
 
 def paramfsm_job(rank, world, name, steps, warmup, over="shards", trace=False):
@@ -75,9 +110,10 @@ def paramfsm_job(rank, world, name, steps, warmup, over="shards", trace=False):
         trace = Path(tempfile.mkdtemp(prefix="paramfsm-bench-")) / f"rank{rank}.jsonl"
     rt = paramfsm.shard(model, trace=trace)
     opt = torch.optim.SGD(rt.shard_parameters() if over == "shards" else model.parameters(), lr=1e-3)
-    time_steps(model, opt, 0, warmup, MODELS[name][1])
+    width = MODELS[name[0]][1]
+    time_steps(model, opt, 0, warmup, width)
     before = rt.counters
-    seconds = time_steps(model, opt, steps, 0, MODELS[name][1])
+    seconds = time_steps(model, opt, steps, 0, width)
     per_step = {k: (v - before[k]) / steps for k, v in rt.counters.items()}
     rt.close()
     return seconds, per_step
@@ -95,18 +131,46 @@ def fsdp2_job(rank, world, name, steps, warmup):
     return time_steps(model, model.parameters(), steps, warmup, MODELS[name][1]), None
 
 
+def checkpointing_rows(one, two, args) -> list:
+    """Model (c) with each kind of checkpointing: best-round medians and collectives per step."""
+    best = {name: {"plain": [], "w2": []} for name in CHECKPOINTING}
+    per_step = {}
+    for round_ in range(args.rounds):
+        print(f"model (c): round {round_ + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
+        for name in CHECKPOINTING:
+            best[name]["plain"].append(one.run(plain_job, name, args.steps, args.warmup)[0])
+            seconds, per_step[name] = two.run(paramfsm_job, name, args.steps, args.warmup)[0]
+            best[name]["w2"].append(seconds)
+    return [(name, min(best[name]["plain"]), min(best[name]["w2"]), per_step[name]) for name in CHECKPOINTING]
+
+
+def print_checkpointing(rows) -> None:
+    if not rows:
+        return
+    base_w2 = rows[0][2]
+    print(f"\n{'model (c) 8 blocks, w2':<26}{'plain ms':>10}{'pfsm w2 ms':>12}{'w2/plain':>10}"
+          f"{'w2/no-ckpt w2':>15}{'AG/step':>9}{'RS/step':>9}")
+    for name, plain, w2, per_step in rows:
+        label = CHECKPOINTING[name] or "no checkpointing"
+        print(f"{label:<26}{plain * 1e3:>10.2f}{w2 * 1e3:>12.2f}{w2 / plain:>10.2f}{w2 / base_w2:>15.2f}"
+              f"{per_step['all_gathers']:>9.1f}{per_step['reduce_scatters']:>9.1f}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--only", choices=sorted(MODELS))
+    parser.add_argument("--skip-trace", action="store_true", help="leave out the trace-cost table")
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved rounds; each figure is the best round's median (machine drift cancels)")
     args = parser.parse_args(argv)
     names = [args.only] if args.only else sorted(MODELS)
-    rows, trace_rows = [], []
+    rows, trace_rows, ckpt_rows = [], [], []
     with RankPool(1) as one, RankPool(2) as two:
-        for name in names:
+        if "c" in names:
+            ckpt_rows = checkpointing_rows(one, two, args)
+        for name in (n for n in names if n != "c"):
             best = {"plain": [], "w1": [], "w2": [], "w2m": [], "fsdp2": []}
             traced = {mode: [] for mode in TRACE_MODES}
             for round_ in range(args.rounds):
@@ -117,11 +181,12 @@ def main(argv=None) -> int:
                 best["w2"].append(w2)
                 best["w2m"].append(two.run(paramfsm_job, name, args.steps, args.warmup, "model")[0][0])
                 best["fsdp2"].append(two.run(fsdp2_job, name, args.steps, args.warmup)[0][0])
-                for mode, trace in TRACE_MODES.items():
+                for mode, trace in ({} if args.skip_trace else TRACE_MODES).items():
                     traced[mode].append(two.run(paramfsm_job, name, args.steps, args.warmup, "shards", trace)[0][0])
             base, w1, w2, w2m, f2 = (min(best[k]) for k in ("plain", "w1", "w2", "w2m", "fsdp2"))
             rows.append((name, base, w1, w2, f2, per_step["all_gathers"], per_step["reduce_scatters"], w2m))
-            trace_rows.append((name, *(min(traced[mode]) for mode in TRACE_MODES)))
+            if not args.skip_trace:
+                trace_rows.append((name, *(min(traced[mode]) for mode in TRACE_MODES)))
     depth_width = {n: f"{d}xLinear({w},{w})" for n, (d, w) in MODELS.items()}
     print(f"{'model':<22}{'plain ms':>10}{'pfsm w1 ms':>12}{'pfsm w2 ms':>12}{'FSDP2 w2 ms':>13}"
           f"{'w1/plain':>10}{'w2/plain':>10}{'w2/FSDP2':>10}{'AG/step':>9}{'RS/step':>9}"
@@ -130,6 +195,9 @@ def main(argv=None) -> int:
         print(f"({name}) {depth_width[name]:<18}{base * 1e3:>10.2f}{w1 * 1e3:>12.2f}{w2 * 1e3:>12.2f}{f2 * 1e3:>13.2f}"
               f"{w1 / base:>10.2f}{w2 / base:>10.2f}{w2 / f2:>10.2f}{ag:>9.1f}{rs:>9.1f}"
               f"{w2m * 1e3:>18.2f}{w2m / w2:>10.2f}")
+    print_checkpointing(ckpt_rows)
+    if not trace_rows:
+        return 0
     print(f"\n{'model (world 2)':<22}{'no trace ms':>12}{'recorder ms':>12}{'full ms':>10}{'stream ms':>11}"
           f"{'recorder/off':>14}{'full/off':>10}{'stream/off':>12}")
     for name, off, ring, full, stream in trace_rows:

@@ -36,9 +36,9 @@ class LoRALinear(nn.Module):
 
 
 class CheckpointedNet(nn.Module):
-    """input -> two checkpointed blocks (each several units) -> head."""
+    """input -> two checkpointed blocks (each several units) -> head; ``reentrant=None``: no checkpointing."""
 
-    def __init__(self, reentrant: bool, frozen: bool, dim: int = 8):
+    def __init__(self, reentrant: bool | None, frozen: bool, dim: int = 8):
         super().__init__()
         self.reentrant = reentrant
         self.inp = nn.Linear(4, dim)
@@ -53,7 +53,7 @@ class CheckpointedNet(nn.Module):
     def forward(self, x):
         x = self.inp(x)
         for blk in self.blocks:
-            x = cp.checkpoint(blk, x, use_reentrant=self.reentrant)
+            x = blk(x) if self.reentrant is None else cp.checkpoint(blk, x, use_reentrant=self.reentrant)
         return self.head(x)
 
 
@@ -102,3 +102,30 @@ def test_checkpoint_two_losses_retained_graph(ranks2, reentrant, retain):
         assert all(b > 0 for b in report["deferred_seen"]), report["deferred_seen"]
     else:
         assert report["deferred_seen"] == [0, 0]
+
+
+def communication_job(rank, world, reentrant, steps=4):
+    """Collectives per step once plans are recorded (the last two steps), with grads checked every step."""
+    torch.manual_seed(0)
+    pair = Pair(CheckpointedNet(reentrant, False, dim=16), rank, world, bucket_bytes=2048)
+    model, ref = pair.model, pair.ref.model
+    counts = []
+    for step in range(steps):
+        x, = batch(step, world, 2, (4,))
+        pair.zero_grad()
+        model(pair.local(x)).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        pair.check_grads(f"step {step}")
+        pair.step(f"step {step}")
+        counts.append(pair.rt.counters)
+    pair.finish()
+    return {k: (counts[-1][k] - counts[-3][k]) / 2 for k in ("all_gathers", "reduce_scatters")}
+
+
+def test_recomputation_gathers_and_reduces_no_more_than_without_checkpointing(ranks2):
+    """A recomputed unit is gathered once for its recomputation and its backward together, on the
+    backward plan's buckets; reentrant checkpointing's nested backward completes no reduce-scatter."""
+    plain = ranks2.run(communication_job, None)[0]
+    assert plain["all_gathers"] > 2 and plain["reduce_scatters"] >= 1, plain
+    for reentrant in (False, True):
+        assert ranks2.run(communication_job, reentrant)[0] == plain, f"reentrant={reentrant}"

@@ -7,29 +7,7 @@ queues them (FIFO), applies each to the parameters of its unit through
 prefetch order and buckets (:mod:`paramfsm.engine.plan`), the retain policy, the
 deferred-bytes bound, per-graph-task bookkeeping, and the leak audit.
 
-[Note: one backward = one graph task]
-Pre-backward work happens in *every* graph task that reaches a unit: the
-task id comes with each backward event, and the first event of a task
-queues that task's final callback. Nothing is remembered "per process" or
-"per forward", which is exactly the once-per-process bug this project exists
-to make impossible.
-
-[Note: the pending gradient is a holder]
-Pre-backward takes, besides the unit's hold, one hold per parameter that
-requires grad, released when autograd has accumulated that parameter's
-gradient for the graph task (``GRAD_READY``) or at the task's end. So a
-parameter stays gathered until its ``AccumulateGrad`` ran (which needs the
-full tensor: the seed bug's "size of tensor a (0)" message), and a tied
-parameter stays gathered between its uses instead of being re-gathered.
-
-[Note: a forward recomputed inside backward belongs to its graph task]
-Activation checkpointing re-runs forwards inside a backward. Non-reentrant
-``torch.utils.checkpoint`` stops a recomputation early (it raises inside the
-last saved-tensor hook it needs), so a unit's post-forward may never come.
-Those fetches are therefore counted per graph task (``recomputing``) and any
-left when the task ends are released with it, like ``open``. A recomputation
-that finds a unit deferred uses the copy kept for this backward, so its release
-defers the unit again (``redefer``): the unit's backward reuses it, no all-gather.
+The backward handlers live in :mod:`paramfsm.engine.backward`.
 
 [Note: flushing deferred parameters at a new forward]
 A new root forward (outside backward) flushes every deferred parameter. An
@@ -49,17 +27,17 @@ from paramfsm.core.machine import CrossCheckedStep
 from paramfsm.core.spec import State
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine import partitioned
-from paramfsm.engine.audit import audit_leaks
+from paramfsm.engine.backward import BackwardHandlers
 from paramfsm.engine.events import (
-    BACKWARD_END, FLUSH, FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, GRAPH_FREED, POST_BACKWARD, POST_FORWARD,
-    PRE_BACKWARD, PRE_FORWARD, Event, ForwardCall, TaskState,
+    BACKWARD_END, FLUSH, FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, GRAPH_FREED, POST_BACKWARD,
+    POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event, TaskState,
 )
 from paramfsm.engine.plan import PassState, Plan
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(BackwardHandlers):
     """Applies events to parameter lifetimes; see the module docstring."""
 
     def __init__(self, table, units, records, executor, *, rank: int, retain: str, prefetch: int,
@@ -263,109 +241,18 @@ class Scheduler:
         self.fwd_plan = self.fwd_plan.updated(self.forward.order)
 
     def _on_pre_forward(self, ev: Event) -> None:
-        task = ev.graph_task
-        if task == gt.NO_TASK:
-            planned = self.forward_open and self.planning
-            self.fetch(ev.unit, self.fwd_plan if planned else None, self.forward if planned else None)
-        else:
-            ts = self._begin_task(task, gt.keeps_graph())
-            ts.recomputing[ev.unit] = ts.recomputing.get(ev.unit, 0) + 1
-            if self.defer_allowed and all(rec.state is State.DEFERRED_RELEASE for rec in ev.unit.records):
-                ts.redefer.add(ev.unit)
-            self.fetch(ev.unit, None, None)
+        if ev.graph_task != gt.NO_TASK:
+            self._recompute(ev)
+            return
+        planned = self.forward_open and self.planning
+        self.fetch(ev.unit, self.fwd_plan if planned else None, self.forward if planned else None)
 
     def _on_post_forward(self, ev: Event) -> None:
-        task = ev.graph_task
         if ev.call is not None:
             ev.unit.live_graphs += 1
-        if task == gt.NO_TASK:
+        if ev.graph_task == gt.NO_TASK:
             self.release(ev.unit, False)
-            return
-        ts = self.tasks.get(task)
-        if ts is not None and ts.recomputing.get(ev.unit, 0) > 0:
-            ts.recomputing[ev.unit] -= 1
-            self.release(ev.unit, ts.keep_graph or ev.unit in ts.redefer)
-
-    def _on_pre_backward(self, ev: Event) -> None:
-        ts = self._begin_task(ev.graph_task, ev.keep_graph)
-        if ev.call in ts.seen:
-            return
-        ts.seen.add(ev.call)
-        unit = ev.unit
-        ts.open[unit] = ts.open.get(unit, 0) + 1
-        planned = ts.depth == 0 and self.planning
-        self.fetch(unit, self.bwd_plan if planned else None, ts.passes if planned else None)
-        holds = ts.grad_holds
-        for rec in unit.records:
-            if rec.requires_grad and rec not in holds:
-                holds[rec] = None
-                self._step(rec, "fetch")
-
-    def _on_post_backward(self, ev: Event) -> None:
-        ts = self._begin_task(ev.graph_task, ev.keep_graph)
-        unit = ev.unit
-        if ts.open.get(unit, 0) > 0:
-            ts.open[unit] -= 1
-            self.release(unit, ts.keep_graph)
-
-    def _on_grad_ready(self, ev: Event) -> None:
-        ts = self._begin_task(ev.graph_task, ev.keep_graph)
-        rec = ev.record
-        self._step(rec, "grad_ready")
-        if ts.grad_holds.pop(rec, 0) is None:
-            self._step(rec, "release", ts.keep_graph and self.defer_allowed)
-
-    def _on_backward_end(self, ev: Event) -> None:
-        ts = self.tasks.pop(ev.graph_task, None)
-        if ts is None:
-            return
-        for held in (ts.open, ts.recomputing):
-            for unit, count in reversed(list(held.items())):
-                for _ in range(count):
-                    self.release(unit, ts.keep_graph)
-        defer = ts.keep_graph and self.defer_allowed
-        for rec in ts.grad_holds:
-            self._step(rec, "release", defer)
-        self.executor.finish_reduces()
-        if ts.depth == 0:
-            self._abandon(self.bwd_plan, ts.passes)
-            self.bwd_plan = self.bwd_plan.updated(ts.passes.order)
-        if not ts.keep_graph:
-            self._consume(ts)
-        if not self.tasks and not ts.keep_graph:
-            self.flush()
-            self.last_audit = audit_leaks(self, strict=self.strict)
-
-    def _consume(self, ts: TaskState) -> None:
-        """A backward that did not keep its graph freed the saved tensors of every forward call it
-        reached: those calls can retain nothing any more, even while the user holds their outputs."""
-        for call in ts.seen:
-            if type(call) is ForwardCall and id(call) not in self._consumed:
-                self._consumed.add(id(call))
-                call.unit.live_graphs -= 1
-
-    def _on_graph_freed(self, ev: Event) -> None:
-        if ev.call in self._consumed:
-            self._consumed.discard(ev.call)  # already counted out when its graph was consumed
-            return
-        unit = ev.unit
-        unit.live_graphs -= 1
-        if unit.live_graphs > 0:
-            return
-        for rec in unit.records:
-            if rec.state is State.DEFERRED_RELEASE:
-                retained = any(u.live_graphs > 0 for u in rec.units)
-                self._step(rec, "graph_freed", retained=retained)
-
-    # ---------------------------------------------------------------- tasks
-    def _begin_task(self, task: int, keep_graph: bool) -> TaskState:
-        ts = self.tasks.get(task)
-        if ts is None:
-            ts = self.tasks[task] = TaskState(keep_graph, len(self.tasks))
-            self.tasks_begun += 1
-            emit = self.emit
-            gt.queue_final_callback(lambda: emit(Event(BACKWARD_END, graph_task=task)))
-        return ts
+        # A recomputation keeps its hold until the unit's backward: see [Note: a forward recomputed ...].
 
     # ---------------------------------------------------------------- called by the runtime
     def hold(self, unit) -> None:

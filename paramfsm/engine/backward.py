@@ -1,0 +1,148 @@
+"""The scheduler's backward handlers: graph tasks, gradient holds, recomputation, retained graphs.
+
+:class:`BackwardHandlers` is a part of :class:`paramfsm.engine.scheduler.Scheduler`
+kept in its own module; it uses the scheduler's state and steps.
+
+[Note: one backward = one graph task]
+Pre-backward work happens in *every* graph task that reaches a unit: the
+task id comes with each backward event, and the first event of a task
+queues that task's final callback. Nothing is remembered "per process" or
+"per forward", which is exactly the once-per-process bug this project exists
+to make impossible.
+
+[Note: the pending gradient is a holder]
+Pre-backward takes, besides the unit's hold, one hold per parameter that
+requires grad, released when autograd has accumulated that parameter's
+gradient for the graph task (``GRAD_READY``) or at the task's end. So a
+parameter stays gathered until its ``AccumulateGrad`` ran (which needs the
+full tensor: the seed bug's "size of tensor a (0)" message), and a tied
+parameter stays gathered between its uses instead of being re-gathered.
+
+[Note: a forward recomputed inside backward belongs to its graph task]
+Activation checkpointing re-runs forwards inside a backward, and the unit's
+own backward follows right after. A recomputation therefore fetches like the
+backward does: at the outermost graph task it follows the backward plan
+(buckets and prefetch, recorded in the order the recomputation and the
+backward fetch units), and its hold is kept until that unit's post-backward,
+in whatever graph task it comes (reentrant checkpointing runs the unit's
+backward in a nested task), so the backward finds the unit gathered: one
+all-gather serves both. Non-reentrant ``torch.utils.checkpoint`` stops a
+recomputation early (it raises inside the last saved-tensor hook it needs),
+so a unit's post-forward may never come; that changes nothing here. Holds
+of units whose post-backward never comes (no input requires grad) are
+counted per graph task (``recomputing``) and released when it ends, like
+``open``. A recomputation that finds a unit deferred uses the copy kept for
+this backward, so its release defers the unit again (``redefer``).
+
+[Note: reduce-scatters finish with the outermost backward]
+A nested graph task (the backward that reentrant checkpointing runs inside
+the outer one) does not complete the reduce-scatters: its gradients join the
+outer backward's buckets, and everything is completed once, when the
+outermost task ends. Nothing reads shard gradients in between.
+"""
+
+from __future__ import annotations
+
+from paramfsm.core.spec import State
+from paramfsm.engine import graph_task as gt
+from paramfsm.engine.audit import audit_leaks
+from paramfsm.engine.events import BACKWARD_END, Event, ForwardCall, TaskState
+
+
+class BackwardHandlers:
+    """Handlers of PRE_BACKWARD, POST_BACKWARD, GRAD_READY, BACKWARD_END, GRAPH_FREED and recomputation."""
+
+    def _on_pre_backward(self, ev: Event) -> None:
+        ts = self._begin_task(ev.graph_task, ev.keep_graph)
+        if ev.call in ts.seen:
+            return
+        ts.seen.add(ev.call)
+        unit = ev.unit
+        ts.open[unit] = ts.open.get(unit, 0) + 1
+        planned = ts.depth == 0 and self.planning
+        self.fetch(unit, self.bwd_plan if planned else None, ts.passes if planned else None)
+        holds = ts.grad_holds
+        for rec in unit.records:
+            if rec.requires_grad and rec not in holds:
+                holds[rec] = None
+                self._step(rec, "fetch")
+
+    def _on_post_backward(self, ev: Event) -> None:
+        ts = self._begin_task(ev.graph_task, ev.keep_graph)
+        unit = ev.unit
+        if ts.open.get(unit, 0) > 0:
+            ts.open[unit] -= 1
+            self.release(unit, ts.keep_graph)
+        for owner in self.tasks.values():  # the recomputation's holds end with the unit's backward
+            count = owner.recomputing.pop(unit, 0)
+            for _ in range(count):
+                self.release(unit, owner.keep_graph or unit in owner.redefer)
+
+    def _recompute(self, ev: Event) -> None:
+        """A unit's forward re-run inside backward (activation checkpointing)."""
+        ts = self._begin_task(ev.graph_task, gt.keeps_graph())
+        unit = ev.unit
+        ts.recomputing[unit] = ts.recomputing.get(unit, 0) + 1
+        if self.defer_allowed and all(rec.state is State.DEFERRED_RELEASE for rec in unit.records):
+            ts.redefer.add(unit)
+        planned = ts.depth == 0 and self.planning
+        self.fetch(unit, self.bwd_plan if planned else None, ts.passes if planned else None)
+
+    def _on_grad_ready(self, ev: Event) -> None:
+        ts = self._begin_task(ev.graph_task, ev.keep_graph)
+        rec = ev.record
+        self._step(rec, "grad_ready")
+        if ts.grad_holds.pop(rec, 0) is None:
+            self._step(rec, "release", ts.keep_graph and self.defer_allowed)
+
+    def _on_backward_end(self, ev: Event) -> None:
+        ts = self.tasks.pop(ev.graph_task, None)
+        if ts is None:
+            return
+        for held in (ts.open, ts.recomputing):
+            for unit, count in reversed(list(held.items())):
+                for _ in range(count):
+                    self.release(unit, ts.keep_graph or (held is ts.recomputing and unit in ts.redefer))
+        defer = ts.keep_graph and self.defer_allowed
+        for rec in ts.grad_holds:
+            self._step(rec, "release", defer)
+        if not self.tasks:  # [Note: reduce-scatters finish with the outermost backward]
+            self.executor.finish_reduces()
+        if ts.depth == 0:
+            self._abandon(self.bwd_plan, ts.passes)
+            self.bwd_plan = self.bwd_plan.updated(ts.passes.order)
+        if not ts.keep_graph:
+            self._consume(ts)
+        if not self.tasks and not ts.keep_graph:
+            self.flush()
+            self.last_audit = audit_leaks(self, strict=self.strict)
+
+    def _consume(self, ts: TaskState) -> None:
+        """A backward that did not keep its graph freed the saved tensors of every forward call it
+        reached: those calls can retain nothing any more, even while the user holds their outputs."""
+        for call in ts.seen:
+            if type(call) is ForwardCall and id(call) not in self._consumed:
+                self._consumed.add(id(call))
+                call.unit.live_graphs -= 1
+
+    def _on_graph_freed(self, ev: Event) -> None:
+        if ev.call in self._consumed:
+            self._consumed.discard(ev.call)  # already counted out when its graph was consumed
+            return
+        unit = ev.unit
+        unit.live_graphs -= 1
+        if unit.live_graphs > 0:
+            return
+        for rec in unit.records:
+            if rec.state is State.DEFERRED_RELEASE:
+                retained = any(u.live_graphs > 0 for u in rec.units)
+                self._step(rec, "graph_freed", retained=retained)
+
+    def _begin_task(self, task: int, keep_graph: bool) -> TaskState:
+        ts = self.tasks.get(task)
+        if ts is None:
+            ts = self.tasks[task] = TaskState(keep_graph, len(self.tasks))
+            self.tasks_begun += 1
+            emit = self.emit
+            gt.queue_final_callback(lambda: emit(Event(BACKWARD_END, graph_task=task)))
+        return ts
