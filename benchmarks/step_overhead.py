@@ -1,14 +1,15 @@
 """Median time per training step (forward + backward + optimizer step), all measured in one run.
 
-Two models:
+Two models (and model (c), below):
   (a) 200 x Linear(8, 8), batch 32: framework overhead (the compute is tiny);
   (b) 16 x Linear(1024, 1024), batch 32: real work.
-Five ways to run each: plain torch in one process; paramfsm with world 1;
+Six ways to run each: plain torch in one process; paramfsm with world 1;
 paramfsm with world 2 (gloo, 127.0.0.1), with the optimizer over
 ``rt.shard_parameters()`` and over ``model.parameters()`` (mapped to the shards
-by paramfsm's step pre-hook: its cost is the difference); PyTorch FSDP2
+by paramfsm's step pre-hook: its cost is the difference), and with
+``units=paramfsm.by_size(min_bytes=1 MiB)`` (size-based units); PyTorch FSDP2
 (``fully_shard`` per layer) with world 2. Ratios are against plain torch measured in the same run;
-the four are measured in interleaved rounds and each keeps its best round's
+all are measured in interleaved rounds and each keeps its best round's
 median, so drift of a shared machine does not favour one of them. AG/RS per
 step are paramfsm world 2's steady-state collectives.
 
@@ -41,6 +42,8 @@ from torch.utils.checkpoint import checkpoint
 from paramfsm.launch import RankPool
 
 MODELS = {"a": (200, 8), "b": (16, 1024), "c": (8, 256)}
+#: ``units=paramfsm.by_size(min_bytes=BY_SIZE)`` for the "w2 by_size" column.
+BY_SIZE = 1 << 20
 #: Model (c)'s variants: activation checkpointing per block.
 CHECKPOINTING = {"c": None, "c-nonreentrant": "non-reentrant", "c-reentrant": "reentrant"}
 #: The trace settings priced in the second table (``shard(..., trace=...)``; "stream" writes a temp file).
@@ -102,13 +105,14 @@ def plain_job(rank, world, name: str, steps: int, warmup: int) -> float:
     return time_steps(model, model.parameters(), steps, warmup, MODELS[name[0]][1])
 
 
-def paramfsm_job(rank, world, name, steps, warmup, over="shards", trace=False):
+def paramfsm_job(rank, world, name, steps, warmup, over="shards", trace=False, by_size=None):
     import paramfsm
 
     model = build(name)
     if trace == "stream":
         trace = Path(tempfile.mkdtemp(prefix="paramfsm-bench-")) / f"rank{rank}.jsonl"
-    rt = paramfsm.shard(model, trace=trace)
+    units = paramfsm.by_size(min_bytes=by_size) if by_size else None
+    rt = paramfsm.shard(model, trace=trace, units=units)
     opt = torch.optim.SGD(rt.shard_parameters() if over == "shards" else model.parameters(), lr=1e-3)
     width = MODELS[name[0]][1]
     time_steps(model, opt, 0, warmup, width)
@@ -171,7 +175,7 @@ def main(argv=None) -> int:
         if "c" in names:
             ckpt_rows = checkpointing_rows(one, two, args)
         for name in (n for n in names if n != "c"):
-            best = {"plain": [], "w1": [], "w2": [], "w2m": [], "fsdp2": []}
+            best = {"plain": [], "w1": [], "w2": [], "w2m": [], "fsdp2": [], "w2s": []}
             traced = {mode: [] for mode in TRACE_MODES}
             for round_ in range(args.rounds):
                 print(f"model ({name}): round {round_ + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
@@ -180,21 +184,23 @@ def main(argv=None) -> int:
                 w2, per_step = two.run(paramfsm_job, name, args.steps, args.warmup)[0]
                 best["w2"].append(w2)
                 best["w2m"].append(two.run(paramfsm_job, name, args.steps, args.warmup, "model")[0][0])
+                best["w2s"].append(two.run(paramfsm_job, name, args.steps, args.warmup, "shards", False,
+                                           BY_SIZE)[0][0])
                 best["fsdp2"].append(two.run(fsdp2_job, name, args.steps, args.warmup)[0][0])
                 for mode, trace in ({} if args.skip_trace else TRACE_MODES).items():
                     traced[mode].append(two.run(paramfsm_job, name, args.steps, args.warmup, "shards", trace)[0][0])
-            base, w1, w2, w2m, f2 = (min(best[k]) for k in ("plain", "w1", "w2", "w2m", "fsdp2"))
-            rows.append((name, base, w1, w2, f2, per_step["all_gathers"], per_step["reduce_scatters"], w2m))
+            base, w1, w2, w2m, f2, w2s = (min(best[k]) for k in ("plain", "w1", "w2", "w2m", "fsdp2", "w2s"))
+            rows.append((name, base, w1, w2, f2, per_step["all_gathers"], per_step["reduce_scatters"], w2m, w2s))
             if not args.skip_trace:
                 trace_rows.append((name, *(min(traced[mode]) for mode in TRACE_MODES)))
     depth_width = {n: f"{d}xLinear({w},{w})" for n, (d, w) in MODELS.items()}
     print(f"{'model':<22}{'plain ms':>10}{'pfsm w1 ms':>12}{'pfsm w2 ms':>12}{'FSDP2 w2 ms':>13}"
           f"{'w1/plain':>10}{'w2/plain':>10}{'w2/FSDP2':>10}{'AG/step':>9}{'RS/step':>9}"
-          f"{'w2 opt(model) ms':>18}{'vs shards':>10}")
-    for name, base, w1, w2, f2, ag, rs, w2m in rows:
+          f"{'w2 opt(model) ms':>18}{'vs shards':>10}{'w2 by_size ms':>15}{'by_size/plain':>15}")
+    for name, base, w1, w2, f2, ag, rs, w2m, w2s in rows:
         print(f"({name}) {depth_width[name]:<18}{base * 1e3:>10.2f}{w1 * 1e3:>12.2f}{w2 * 1e3:>12.2f}{f2 * 1e3:>13.2f}"
               f"{w1 / base:>10.2f}{w2 / base:>10.2f}{w2 / f2:>10.2f}{ag:>9.1f}{rs:>9.1f}"
-              f"{w2m * 1e3:>18.2f}{w2m / w2:>10.2f}")
+              f"{w2m * 1e3:>18.2f}{w2m / w2:>10.2f}{w2s * 1e3:>15.2f}{w2s / base:>15.2f}")
     print_checkpointing(ckpt_rows)
     if not trace_rows:
         return 0

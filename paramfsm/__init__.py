@@ -12,7 +12,7 @@ from paramfsm.errors import (
     CollectiveTimeout, IllegalTransition, NotGathered, ParamFSMError, RankDesync, SpecError,
 )
 
-__all__ = ["shard", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync",
+__all__ = ["shard", "by_size", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync",
            "CollectiveTimeout", "NotGathered"]
 __version__ = "0.1.0"
 
@@ -23,4 +23,8 @@ def __getattr__(name: str):
         from paramfsm import runtime
 
         return getattr(runtime, name)
+    if name == "by_size":
+        from paramfsm.engine.units import by_size
+
+        return by_size
     raise AttributeError(f"module 'paramfsm' has no attribute {name!r}")

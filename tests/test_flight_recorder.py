@@ -138,7 +138,7 @@ def test_a_dump_appears_on_each_trigger(ranks2, tmp_path):
     for rank, found in enumerate(results):
         note = found.pop("note")
         assert set(found) == {"forward-exception", "interrupted", "illegal-transition", "leak"}, found
-        for reason, (name, status, first) in found.items():
+        for name, status, first in found.values():
             assert name.startswith(f"paramfsm-trace-rank{rank}-step"), name
             assert status == 0, f"{name} does not replay"
             assert first == SNAPSHOT, f"{name} starts mid-run without a snapshot"
@@ -150,7 +150,7 @@ def stalled_peer_job(rank, world, out_dir):
     os.environ["PARAMFSM_TRACE_DIR"] = out_dir
     torch.manual_seed(0)
     model = mlp(8, 8, 8)
-    rt = paramfsm.shard(model, collective_timeout=1.0)
+    paramfsm.shard(model, collective_timeout=1.0)
     model(torch.randn(2, 8)).sum().backward()
     if rank == 1:
         time.sleep(3)
