@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from paramfsm.engine import events, executor, graph_task, hooks
@@ -9,6 +11,7 @@ from paramfsm.engine.executor import Executor
 from paramfsm.engine.scheduler import Scheduler
 from paramfsm.testing import faults
 from paramfsm.testing.mutants import format_table, main, run_catalogue
+from paramfsm.testing.reproduction import run_saved
 from paramfsm.testing.verify import examples_from_env
 
 #: Programs per fault (and for the baseline) in CI; PARAMFSM_VERIFY_EXAMPLES raises it.
@@ -45,8 +48,14 @@ def test_an_unknown_fault_is_named():
             pass
 
 
-def test_every_fault_is_killed(ranks2):
-    problem, rows = run_catalogue(examples=examples_from_env(CI_EXAMPLES), pool=ranks2)
+@pytest.fixture(scope="module")
+def catalogue(ranks2):
+    """The baseline and one verification per catalogued fault (run once for the tests below)."""
+    return run_catalogue(examples=examples_from_env(CI_EXAMPLES), pool=ranks2)
+
+
+def test_every_fault_is_killed(catalogue):
+    problem, rows = catalogue
     assert problem is None, problem
     table = format_table(rows)
     survivors = [row.fault.name for row in rows if not row.killed]
@@ -54,6 +63,26 @@ def test_every_fault_is_killed(ranks2):
     # A kill must come from a check, not from the harness dying ("crash" = a rank job itself failed).
     harness_crashes = [row.fault.name for row in rows if row.check == "crash"]
     assert not harness_crashes, table
+
+
+def test_every_saved_reproduction_fails_with_the_check(catalogue, ranks2, tmp_path):
+    """Each fault's reproduction, saved to a file, exits 1 with the message of the check verify failed,
+    and exits 0 once the bug is gone (the same script with ``FAULT = None``)."""
+    problem, rows = catalogue
+    assert problem is None, problem
+    for row in rows:
+        finding = row.finding
+        assert finding is not None, f"{row.fault.name} survived"
+        script = tmp_path / f"repro_{row.fault.name}.py"
+        script.write_text(finding.reproduction, encoding="utf-8")
+        results = ranks2.run(run_saved, str(script), timeout=120)
+        where = f"op {finding.op}" if finding.op is not None else "setup or teardown"
+        expected = f"{finding.kind} check failed at {where}: {finding.message.splitlines()[0]}"
+        assert all(status == 1 for status, _ in results), (row.fault.name, results)
+        assert any(expected in output for _, output in results), (row.fault.name, expected, results)
+        fixed = tmp_path / f"fixed_{row.fault.name}.py"
+        fixed.write_text(re.sub(r"^FAULT = .*$", "FAULT = None", finding.reproduction, flags=re.M), encoding="utf-8")
+        assert ranks2.run(run_saved, str(fixed), timeout=120) == [(0, ""), (0, "")], row.fault.name
 
 
 def test_drawn_programs_alone_kill_the_direct_faults(ranks2):

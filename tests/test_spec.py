@@ -410,3 +410,85 @@ def test_a_named_machine_and_the_default_file_label(tmp_path):
     assert (spec.name, spec.file) == ("custom", "<spec>")
     err = expect_spec_error(broken_dict(lambda r: r.__delitem__("states")), tmp_path, "states")
     assert err.reason == "missing or empty [states] table"
+
+
+# ------------------------------------------------------------------ fields of the wrong type, nesting
+
+
+def _set_row(kind: str, key: str, value):
+    return lambda r: r[kind][0].__setitem__(key, value)
+
+
+@pytest.mark.parametrize("where, edit, message", [
+    ("transition #1", _set_row("transition", "dst", ["AVAILABLE"]), "dst must be one state name"),
+    ("transition #1", _set_row("transition", "dst", {"state": "AVAILABLE"}), "dst must be one state name"),
+    ("transition #1", _set_row("transition", "dst", 3), "dst must be one state name"),
+    ("transition #1", _set_row("transition", "effects", {"a": "free"}), "effects must be a list of names"),
+    ("transition #1", _set_row("transition", "effects", [["free"]]), "effects must be a list of names"),
+    ("transition #1", _set_row("transition", "holds", ["+1"]), "holds must be one of"),
+    ("transition #1", _set_row("transition", "holds", 1), "holds must be one of"),
+    ("transition #1", _set_row("transition", "when", {"unheld": True}), "when must be a list of names"),
+    ("transition #1", _set_row("transition", "src", {"NOT_AVAILABLE": 1}), "src must be a name"),
+    ("transition #1", _set_row("transition", "event", [["fetch"]]), "event must be a name"),
+    ("transition #1", _set_row("transition", "reason", ["because"]), "reason must be a string, not list"),
+    ("error #1", _set_row("error", "reason", {"why": "no"}), "reason must be a string, not dict"),
+    ("states.INFLIGHT", lambda r: r["states"]["INFLIGHT"].__setitem__("holds", ["zero"]), "holds must be 'zero'"),
+    ("states.INFLIGHT", lambda r: r["states"]["INFLIGHT"].__setitem__("doc", ["text"]), "doc must be a string"),
+    ("states.INFLIGHT", lambda r: r["states"]["INFLIGHT"].__setitem__("invariants", [{"a": 1}]),
+     "invariants must be a list of names"),
+    ("events.fetch", lambda r: r["events"].__setitem__("fetch", {"doc": "x"}), "description must be a string"),
+    ("events", lambda r: r.__setitem__("events", ["fetch"]), "missing or empty [events] table"),
+    ("machine.name", lambda r: r["machine"].__setitem__("name", 7), "the machine's name must be a string, not int"),
+    ("machine.initial", lambda r: r["machine"].__setitem__("initial", {"s": 1}), "unknown initial state"),
+    ("machine", lambda r: r.__setitem__("machine", ["NOT_AVAILABLE"]), "missing or empty [machine] table"),
+    ("ignore", lambda r: r.__setitem__("ignore", "none"), "array of tables"),
+])
+def test_a_field_of_the_wrong_type_is_a_spec_error(tmp_path, where, edit, message):
+    expect_spec_error(broken_dict(edit), tmp_path, where, message)
+
+
+def test_a_document_that_is_not_a_table_is_a_spec_error(tmp_path):
+    expect_spec_error(["machine"], tmp_path, "toml", "not list")
+
+
+def _nested_list(depth: int):
+    value = "AVAILABLE"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_a_deeply_nested_value_is_quoted_briefly(tmp_path):
+    for key in ("dst", "holds"):
+        err = expect_spec_error(broken_dict(_set_row("transition", key, _nested_list(5000))), tmp_path,
+                                "transition #1", "must be")
+        assert len(str(err)) < 400, str(err)
+
+
+@pytest.mark.parametrize("value", ["[" * 5000 + "]" * 5000, "{a = " * 5000 + "1" + "}" * 5000])
+def test_deeply_nested_toml_is_a_spec_error(tmp_path, value):
+    path = tmp_path / "deep.toml"
+    path.write_text(SHIPPED_TEXT.replace('name = "param_lifetime"', f"name = {value}", 1), encoding="utf-8")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert (info.value.file, info.value.entry) == (str(path), "toml")
+    assert "nested too deeply" in info.value.reason
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ('event = "arrive"\ndst = "AVAILABLE"', 'event = "arrive"\ndst = ["AVAILABLE"]', "dst must be one state name"),
+    ('name = "param_lifetime"', "name = " + "[" * 5000 + "]" * 5000, "nested too deeply"),
+    ('name = "param_lifetime"', "name = " + "{a = " * 3000 + "1" + "}" * 3000, "nested too deeply"),
+])
+def test_spec_check_names_a_misshapen_spec_in_one_line(tmp_path, capsys, old, new, message):
+    from paramfsm import cli
+
+    assert old in SHIPPED_TEXT
+    path = tmp_path / "misshapen.toml"
+    path.write_text(SHIPPED_TEXT.replace(old, new, 1), encoding="utf-8")
+    for command in ("check", "draw"):
+        assert cli.main(["spec", command, str(path)]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and "Traceback" not in err, err
+        assert err.count("\n") == 1 and err.startswith(f"paramfsm: error: invalid spec: {path}: "), err
+        assert message in err, err

@@ -1,4 +1,6 @@
-"""``paramfsm verify``: generated programs, the checks, shrinking, reproductions, the CLI, and our models.
+"""``paramfsm verify``: generated programs, the checks, shrinking, reproductions and our models.
+
+The command line is tested in ``test_verify_cli.py``.
 
 The model runs share one two-rank pool (the ``ranks2`` fixture). ``PARAMFSM_VERIFY_EXAMPLES``
 raises their budget (programs per model) for longer runs.
@@ -6,31 +8,27 @@ raises their budget (programs per model) for longer runs.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from paramfsm import State, cli
+from paramfsm import State
 from paramfsm.core.fsm import default_table
 from paramfsm.core.spec import INVARIANTS
 from paramfsm.testing import checks
+from paramfsm.testing.checker import Mirror
 from paramfsm.testing.programs import (
     Backward, Config, Drop, Forward, Gathered, Loss, Penalty, Program, Shape, Step, programs,
 )
 from paramfsm.testing.reproduction import render
-from paramfsm.testing.runner import Mirror, Options, run_program
+from paramfsm.testing.runner import Options, run_program
 from paramfsm.testing.subject import global_batch, load_subject, split
 from paramfsm.testing.verify import (
     EXAMPLES_ENV, VerificationFailed, examples_from_env, probe, verify, verify_model,
 )
 
-REPO = Path(__file__).resolve().parent.parent
 SUBJECTS = "paramfsm.testing.subjects:"
 MLP_SHAPE = Shape(modules=("0", "2", "4"))
 
@@ -55,8 +53,9 @@ def test_reproductions_are_python(program):
     script = render(program, SUBJECTS + "tiny_transformer", per_rank=2, seed=3, fail_at=len(program.ops) - 1,
                     message="why it failed", fault="tied_reduced_twice")
     compile(script, "repro.py", "exec")
-    assert "paramfsm.testing.faults.inject('tied_reduced_twice')" in script
+    assert "FAULT = 'tied_reduced_twice'" in script
     assert ("# <- fails here" in script) == bool(program.ops)
+    assert script.count("    with check(") == len(program.ops) and "    check.finish()" in script
 
 
 def test_probe_reads_units_and_output():
@@ -162,37 +161,6 @@ def test_a_failure_shrinks_to_a_reproduction(ranks2):
 @pytest.mark.parametrize("subject", ["tiny_transformer", "tiny_transformer_tied", "mlp_regression", "branchy_lm"])
 def test_verify_our_models(ranks2, subject):
     verify_model(SUBJECTS + subject, world_size=2, examples=12, pool=ranks2, shrink_budget_s=30)
-
-
-# ------------------------------------------------------------------ reproductions and the CLI
-
-def test_a_reproduction_runs_under_torchrun(tmp_path):
-    """A rendered program is a real script: clean it runs, with an injected bug it fails the same way."""
-    ops = (Forward(0, 0, "train"), Loss(0, 0, 0, 0), Backward(0, True, True), Gathered("head", 1),
-           Backward(0, False, False), Step(), Drop(0, (0,)))
-    program = Program(Config(), ops)
-    runs = {}
-    for fault in (None, "release_before_last_holder"):
-        script = tmp_path / f"repro_{fault}.py"
-        script.write_text(render(program, SUBJECTS + "tiny_transformer_tied", per_rank=2, seed=0, fault=fault))
-        runs[fault] = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    clean, faulty = (runs[k].communicate(timeout=240)[0] for k in (None, "release_before_last_holder"))
-    assert runs[None].returncode == 0, clean[-3000:]
-    assert runs["release_before_last_holder"].returncode != 0
-    assert "IllegalTransition" in faulty
-
-
-def test_cli_verify(capsys):
-    assert cli.main(["verify", SUBJECTS + "tiny_transformer_tied", "--examples", "4", "--no-shrink",
-                     "--fault", "grads_summed_not_averaged"]) == 1
-    out, err = capsys.readouterr()
-    assert "rt = paramfsm.shard(model" in out and "# <- fails here" in out
-    assert err.startswith("paramfsm: error: reference check failed at op") and "Traceback" not in err
-    assert cli.main(["verify", "no_such_module:factory"]) == 2
-    assert "No module named" in capsys.readouterr().err
 
 
 # The invariants DESIGN §2/§3 promise per state. A spec edit that drops one must fail here, not pass

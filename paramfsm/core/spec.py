@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import reprlib
 import tomllib
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
@@ -69,6 +70,16 @@ INVARIANTS = frozenset(
 
 HOLD_UPDATES = ("+1", "-1", "0")
 ROW_KINDS = ("transition", "ignore", "error")
+
+# Values quoted in messages are cut short (depth and length), so a misshapen value (say a list nested
+# thousands deep) cannot turn a SpecError into a RecursionError or a page of brackets.
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother = 3, 80, 80
+
+
+def _quote(value) -> str:
+    """``repr(value)``, bounded in depth and length (see ``_QUOTE``)."""
+    return _QUOTE.repr(value)
 
 
 @attrs.frozen(slots=True)
@@ -134,6 +145,8 @@ def load_spec(path: str | Path | None = None) -> Spec:
         raise SpecError(path, "toml", f"not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
         raise SpecError(path, "file", f"not UTF-8 text: {exc}") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise SpecError(path, "toml", "arrays or inline tables nested too deeply to parse") from None
     return parse_spec(raw, file=str(path))
 
 
@@ -141,6 +154,8 @@ def parse_spec(raw: Mapping, file: str = "<spec>") -> Spec:
     """Validate a spec already parsed from TOML (see the module docstring for the checks)."""
     fail = lambda entry, reason: SpecError(file, entry, reason)  # noqa: E731
 
+    if not isinstance(raw, Mapping):
+        raise fail("toml", f"a spec is a TOML document (a table of tables), not {type(raw).__name__}")
     machine = _table(raw, "machine", fail)
     raw_states = _table(raw, "states", fail)
     raw_events = _table(raw, "events", fail)
@@ -158,23 +173,24 @@ def parse_spec(raw: Mapping, file: str = "<spec>") -> Spec:
             raise fail(entry, "must be a table")
         holds = body.get("holds", "any")
         if holds not in ("zero", "any"):
-            raise fail(entry, f"holds must be 'zero' or 'any', not {holds!r}")
+            raise fail(entry, f"holds must be 'zero' or 'any', not {_quote(holds)}")
         invariants = tuple(_name_list(body.get("invariants", []), entry, "invariants", fail))
         for inv in invariants:
             if inv not in INVARIANTS:
                 raise fail(entry, f"unknown invariant {inv!r}; known: {sorted(INVARIANTS)}")
-        states[name] = StateSpec(name, str(body.get("doc", "")), holds == "zero", invariants)
+        states[name] = StateSpec(name, _text(body.get("doc", ""), entry, "doc", fail), holds == "zero", invariants)
     missing = known_states - set(states)
     if missing:
         raise fail("states", f"missing states {sorted(missing)}")
 
-    events = {str(k): str(v) for k, v in raw_events.items()}
+    events = {str(k): _text(v, f"events.{k}", "an event's description", fail) for k, v in raw_events.items()}
     initial = machine.get("initial")
     if not isinstance(initial, str) or initial not in states:
-        raise fail("machine.initial", f"unknown initial state {initial!r}")
+        raise fail("machine.initial", f"unknown initial state {_quote(initial)}")
+    name = _text(machine.get("name", "param_lifetime"), "machine.name", "the machine's name", fail)
 
     rules = tuple(_parse_rules(raw, states, events, fail))
-    spec = Spec(file, str(machine.get("name", "param_lifetime")), initial, states, events, rules)
+    spec = Spec(file, name, initial, states, events, rules)
     _check_table(spec, fail)
     _check_reachable(spec, fail)
     return spec
@@ -185,6 +201,12 @@ def _table(raw: Mapping, key: str, fail) -> dict:
     if not isinstance(value, dict) or not value:
         raise fail(key, f"missing or empty [{key}] table")
     return value
+
+
+def _text(value, entry: str, what: str, fail) -> str:
+    if isinstance(value, str):
+        return value
+    raise fail(entry, f"{what} must be a string, not {type(value).__name__}")
 
 
 def _names(value, entry: str, what: str, fail) -> list[str]:
@@ -236,6 +258,8 @@ def _parse_rules(raw, states, events, fail) -> Iterator[Rule]:
             dst, effects, holds = None, (), None
             if kind == "transition":
                 dst = row.get("dst")
+                if not isinstance(dst, str):
+                    raise fail(entry, f"dst must be one state name, like \"AVAILABLE\", not {_quote(dst)}")
                 if dst not in states:
                     raise fail(entry, f"unknown dst state {dst!r}")
                 effects = tuple(_name_list(row.get("effects", []), entry, "effects", fail))
@@ -244,13 +268,13 @@ def _parse_rules(raw, states, events, fail) -> Iterator[Rule]:
                         raise fail(entry, f"unknown effect {eff!r}; known: {sorted(EFFECTS)}")
                 holds = row.get("holds")
                 if holds is not None and holds not in HOLD_UPDATES:
-                    raise fail(entry, f"holds must be one of {HOLD_UPDATES}, not {holds!r}")
+                    raise fail(entry, f"holds must be one of {HOLD_UPDATES}, not {_quote(holds)}")
             elif not row.get("reason"):
                 raise fail(entry, f"an {kind} row needs a reason")
+            reason = _text(row.get("reason", ""), entry, "reason", fail)
             for src in srcs:
                 for ev in evs:
-                    yield Rule(kind, src, ev, tuple(when), dst, effects, holds,
-                               str(row.get("reason", "")), f"{entry} ({src}, {ev})")
+                    yield Rule(kind, src, ev, tuple(when), dst, effects, holds, reason, f"{entry} ({src}, {ev})")
 
 
 def _check_table(spec: Spec, fail) -> None:

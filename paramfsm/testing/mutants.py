@@ -23,7 +23,7 @@ import attrs
 
 from paramfsm.launch import RankPool
 from paramfsm.testing.faults import CATALOGUE, Fault
-from paramfsm.testing.verify import verify
+from paramfsm.testing.verify import Finding, verify
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +32,14 @@ SUBJECT = "paramfsm.testing.subjects:branchy_lm"
 
 @attrs.frozen(slots=True)
 class Row:
+    """One fault's verification: killed or not, programs and seconds to the kill, the check, the finding."""
+
     fault: Fault
     killed: bool
     examples: int | None
     seconds: float
     check: str
+    finding: Finding | None = None
 
 
 def run_catalogue(*, subject: str = SUBJECT, examples: int = 25, seed: int = 0, world_size: int = 2,
@@ -60,7 +63,7 @@ def run_catalogue(*, subject: str = SUBJECT, examples: int = 25, seed: int = 0, 
             finding = report.failure
             rows.append(Row(fault, finding is not None, report.examples_to_failure,
                             report.seconds_to_failure if finding else time.perf_counter() - start,
-                            finding.kind if finding else ""))
+                            finding.kind if finding else "", finding))
             log.info("%s: %s", fault.name, "killed" if finding else "survived")
         return None, rows
     finally:

@@ -1,70 +1,116 @@
-"""A program as a runnable script, like the step listing of a hypothesis stateful test.
+"""A program as a runnable script that checks itself, like the step listing of a hypothesis stateful test.
 
-:func:`render` writes the preamble (process group, the subject from its
-factory, ``paramfsm.shard`` with the program's configuration, the optimizer,
-a ``batch(i)`` function that gives each rank its share of global batch ``i``)
-and then one or a few lines of plain PyTorch and public paramfsm API per op.
-The failing op is marked with ``# <- fails here``; the failure is quoted in
-the docstring. Run the script with ``torchrun --nproc-per-node WORLD``.
+:func:`render` writes a script whose ``main`` builds the subject from its
+factory, a :class:`~paramfsm.testing.checker.Checker` (the plain-torch
+reference and verify's checks), ``paramfsm.shard`` with the program's
+configuration, the optimizer and a ``batch(i)`` function that gives each rank
+its share of global batch ``i``, and then runs each op as one or a few lines
+of plain PyTorch and public paramfsm API inside ``with check(<op>):``. The
+block runs the op on the reference first and checks gradients, parameters,
+states and communication after it, as ``paramfsm verify`` does; the trace
+and ``rt.close()`` are checked at the end. The failing op is marked with
+``# <- fails here`` and the failure is quoted in the docstring.
+
+Run the script with ``torchrun --nproc-per-node WORLD``: :func:`run_reproduction`
+prints the check's message and exits 1 while the bug is present, and exits 0
+once it is fixed. The script records the folder ``paramfsm verify`` imported the
+factory's module from, so it runs wherever it is saved. :func:`run_saved` runs
+a saved script on the ranks of a :class:`~paramfsm.launch.RankPool` instead.
 """
 
 from __future__ import annotations
+
+import datetime
+import io
+import runpy
+import sys
+import traceback
 
 from paramfsm.testing.programs import (
     PENALTY_WEIGHT, Backward, Drop, Flush, Forward, Gathered, Loss, Penalty, Program, Step, ZeroGrad,
 )
 
+INDENT = "    "
+
 
 def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at: int | None = None,
-           message: str = "", fault: str | None = None) -> str:
+           message: str = "", fault: str | None = None, path: str | None = None, world: int | None = None) -> str:
     """The program as a script for ``torchrun --nproc-per-node WORLD``; ``fail_at`` marks the failing op.
 
     ``fault``: the catalogued bug (:mod:`paramfsm.testing.faults`) the run injected; the script injects it too.
+    ``path``: a folder the script puts first on ``sys.path`` (where the factory's module was imported from).
     """
-    c = program.config
-    inject = [f"paramfsm.testing.faults.inject({fault!r})  # the catalogued bug this run injected"] if fault else []
+    used = sorted({type(op).__name__ for op in program.ops} | {"Config"})
+    quoted = message.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+    ranks = str(world) if world else "WORLD"
     lines = [
         '"""A failing training loop found by `paramfsm verify`.',
         "",
-        *(f"{line}" for line in message.splitlines()),
+        *quoted.splitlines(),
+        "",
+        f"Run it with `torchrun --nproc-per-node {ranks} THIS_FILE`. Every op runs inside `with check(op):`, which",
+        "runs the op on an unsharded plain-torch copy of the model first and then checks paramfsm against it",
+        "(gradients, parameters, states, communication), as `paramfsm verify` does. The script prints the",
+        "failed check and exits 1 while the bug is present, and exits 0 once it is fixed.",
         '"""',
+        "import sys",
+        "",
         "import torch",
-        "import torch.distributed as dist",
         "from torch.utils.checkpoint import checkpoint",
         "",
         "import paramfsm",
-        *(["import paramfsm.testing.faults"] if fault else []),
+        "from paramfsm.testing.checker import Checker",
+        f"from paramfsm.testing.programs import {', '.join(used)}",
+        "from paramfsm.testing.reproduction import run_reproduction",
         "from paramfsm.testing.subject import load_subject",
         "",
-        *inject,
-        'dist.init_process_group("gloo")',
-        "rank, world = dist.get_rank(), dist.get_world_size()",
-        f"torch.manual_seed({seed})",
-        f"subject = load_subject({factory!r})",
-        "model, make_batch, loss_fn = subject.model, subject.make_batch, subject.loss_fn",
-        f"rt = paramfsm.shard(model, units=subject.units, retain={c.retain!r}, prefetch={c.prefetch}, "
-        f"bucket_bytes={c.bucket_bytes}, max_deferred_bytes={c.max_deferred_bytes}, trace=True)",
-        "opt = subject.optimizer(rt.shard_parameters())",
-        "params = [p for p in model.parameters() if p.requires_grad]",
+        *([f"sys.path.insert(0, {path!r})  # where `paramfsm verify` imported the factory's module from"]
+          if path else []),
+        f"FAULT = {fault!r}  # the catalogued bug the verify run injected (paramfsm.testing.faults), if any",
         "",
         "",
-        "def batch(i):",
-        '    """This rank\'s share of global batch i (identical data on every rank)."""',
-        f"    inputs, targets = make_batch(torch.Generator().manual_seed({seed} * 1000 + i), world * {per_rank})",
-        "    share = lambda t: t.chunk(world)[rank] if isinstance(t, torch.Tensor) else type(t)(map(share, t))",
-        "    return share(inputs), share(targets)",
+        "def main(rank, world):",
+        f"    torch.manual_seed({seed})",
+        f"    subject = load_subject({factory!r})",
+        "    model, make_batch, loss_fn = subject.model, subject.make_batch, subject.loss_fn",
+        f"    config = {program.config!r}",
+        f"    check = Checker(subject, config, seed={seed}, per_rank={per_rank})  # plain torch, verify's checks",
+        *_shard_lines(program),
+        "    check.attach(rt)",
+        "    opt = subject.optimizer(rt.shard_parameters())",
+        "    params = [p for p in model.parameters() if p.requires_grad]",
         "",
+        "    def batch(i):",
+        '        """This rank\'s share of global batch i (identical data on every rank)."""',
+        f"        inputs, targets = make_batch(torch.Generator().manual_seed({seed} * 1000 + i), world * {per_rank})",
+        "        share = lambda t: t.chunk(world)[rank] if isinstance(t, torch.Tensor) else type(t)(map(share, t))",
+        "        return share(inputs), share(targets)",
         "",
     ]
     seen: set[int] = set()
     for index, op in enumerate(program.ops):
         body = _render_op(op, seen)
         if index == fail_at:
-            main = next((i for i in range(len(body) - 1, -1, -1) if not body[i].startswith("del ")), len(body) - 1)
-            body[main] += "  # <- fails here"
-        lines += body
-    lines += ["dist.destroy_process_group()"]
+            mark = next((i for i in range(len(body) - 1, -1, -1)
+                         if not body[i].lstrip().startswith(("del ", "check."))), len(body) - 1)
+            body[mark] += "  # <- fails here"
+        lines.append(f"    with check({op!r}):")
+        lines += [INDENT * 2 + line for line in body]
+    lines += [
+        "    check.finish()",
+        "",
+        "",
+        'if __name__ == "__main__":',
+        "    sys.exit(run_reproduction(main, fault=FAULT))",
+    ]
     return "\n".join(lines) + "\n"
+
+
+def _shard_lines(program: Program) -> list[str]:
+    c = program.config
+    return [f"    rt = paramfsm.shard(model, units=subject.units, retain={c.retain!r}, prefetch={c.prefetch}, "
+            f"bucket_bytes={c.bucket_bytes},",
+            f"                        max_deferred_bytes={c.max_deferred_bytes}, trace=True)"]
 
 
 def _batch_line(batch: int, seen: set[int]) -> list[str]:
@@ -112,8 +158,58 @@ def _render_op(op, seen: set[int]) -> list[str]:
         return ["rt.flush()"]
     if isinstance(op, Gathered):
         target = f"model.get_submodule({op.module!r})" if op.module else ""
-        inner = ["    pass"] if op.batch is None else \
-            ["    with torch.no_grad():", f"        model(x{op.batch})"]
+        inner = [] if op.batch is None else ["    with torch.no_grad():", f"        model(x{op.batch})"]
         pre = [] if op.batch is None else _batch_line(op.batch, seen)
-        return pre + [f"with rt.gathered({target}):"] + inner
+        return pre + [f"with rt.gathered({target}):"] + inner + [f"    check.inside_gathered({target})"]
     raise TypeError(f"not a program op: {op!r}")
+
+
+def run_reproduction(main, *, fault: str | None = None, timeout_s: float = 60.0, stream=None) -> int:
+    """Run a reproduction's ``main(rank, world)`` under ``fault``; return its exit status.
+
+    0: every check passed. 1: a check failed or an op raised (the check's
+    message goes to ``stream``, stderr by default). 2: plain torch itself
+    cannot run an op on this model (not a paramfsm bug). Starts a gloo process
+    group from the torchrun environment when none is initialised (and
+    destroys it at the end).
+    """
+    import torch.distributed as dist
+
+    from paramfsm.testing import faults
+    from paramfsm.testing.checker import Failed, Rejected
+
+    stream = stream or sys.stderr
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        with faults.activate(fault):
+            main(rank, world)
+    except Failed as exc:
+        if exc.kind != "peer":
+            print(f"rank {rank}: {exc.report()}", file=stream)
+        return 1
+    except Rejected as exc:
+        print(f"rank {rank}: {exc} (a limit of the model, not a paramfsm bug)", file=stream)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - setting up failed: report it like a check
+        print(f"rank {rank}: setup check failed: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-6)}",
+              file=stream)
+        return 1
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0
+
+
+def run_saved(rank: int, world: int, path: str) -> tuple[int, str]:
+    """A :class:`~paramfsm.launch.RankPool` job: run the saved reproduction at ``path``; return (status, output).
+
+    The script's ``main`` runs in the pool's process group, under the script's
+    ``FAULT`` (undone afterwards), so one pool can run many reproductions.
+    """
+    namespace = runpy.run_path(str(path), run_name="paramfsm_reproduction")
+    stream = io.StringIO()
+    status = run_reproduction(namespace["main"], fault=namespace.get("FAULT"), stream=stream)
+    return status, stream.getvalue()

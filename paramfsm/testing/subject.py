@@ -20,11 +20,20 @@ A *factory* is a callable with no arguments, named on the command line as
 The factory runs once per rank after ``torch.manual_seed(seed)``, so the
 parameters it creates are identical everywhere. It may build its parameters
 randomly, but only from torch's global generator.
+
+A factory that cannot be imported or called, or that returns something else,
+raises :class:`FactoryError`: one line naming the factory, the exception and
+the user's own source line, for ``paramfsm verify`` to print instead of a
+traceback.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+import sysconfig
+import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import attrs
@@ -66,16 +75,39 @@ class Subject:
         return (self.atol if self.atol is not None else atol), (self.rtol if self.rtol is not None else rtol)
 
 
+class FactoryError(Exception):
+    """The verify factory could not be imported or called, or returned no usable subject.
+
+    ``where`` is the user's source line (``file:line``) the error came from, when one is known.
+    """
+
+    def __init__(self, factory, what: str, where: str | None = None):
+        self.factory, self.what, self.where = factory, what, where
+        super().__init__(f"{_name(factory)}: {what}" + (f" (at {where})" if where else ""))
+
+
+def _name(factory) -> str:
+    return factory if isinstance(factory, str) else getattr(factory, "__qualname__", repr(factory))
+
+
 def as_subject(value) -> Subject:
-    """Accept a Subject, a ``(model, make_batch, loss_fn)`` tuple or a dict of Subject fields."""
-    if isinstance(value, Subject):
-        return value
+    """Accept a Subject, a ``(model, make_batch, loss_fn)`` tuple or a dict of Subject fields; check them."""
     if isinstance(value, dict):
-        return Subject(**value)
-    if isinstance(value, (tuple, list)) and len(value) == 3:
-        return Subject(*value)
-    raise TypeError("a verify factory must return a paramfsm.testing.Subject or a tuple "
-                    f"(model, make_batch, loss_fn), not {type(value).__name__}")
+        value = Subject(**value)
+    elif isinstance(value, (tuple, list)) and len(value) == 3:
+        value = Subject(*value)
+    if not isinstance(value, Subject):
+        shape = f"a {len(value)}-tuple" if isinstance(value, (tuple, list)) else type(value).__name__
+        raise TypeError("a verify factory must return a paramfsm.testing.Subject or a tuple "
+                        f"(model, make_batch, loss_fn), not {shape}")
+    if not isinstance(value.model, nn.Module):
+        raise TypeError(f"the model must be a torch.nn.Module, not {type(value.model).__name__}")
+    if not any(p.is_floating_point() for p in value.model.parameters()):
+        raise TypeError(f"the model ({type(value.model).__name__}) has no floating-point parameters to shard")
+    for field in ("make_batch", "loss_fn", "optimizer"):
+        if not callable(getattr(value, field)):
+            raise TypeError(f"{field} must be callable, not {type(getattr(value, field)).__name__}")
+    return value
 
 
 def resolve_factory(factory) -> Callable[[], Any]:
@@ -94,10 +126,72 @@ def resolve_factory(factory) -> Callable[[], Any]:
 
 
 def load_subject(factory, seed: int | None = None) -> Subject:
-    """Call the factory (after ``torch.manual_seed(seed)`` when given) and return its Subject."""
+    """Call the factory (after ``torch.manual_seed(seed)`` when given) and return its Subject.
+
+    Raises :class:`FactoryError` when the factory cannot be imported or called, or returns no usable subject.
+    """
     if seed is not None:
         torch.manual_seed(seed)
-    return as_subject(resolve_factory(factory)())
+    try:
+        make = resolve_factory(factory)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's code raises is summarised in one line
+        raise FactoryError(factory, describe(exc), user_frame(exc)) from exc
+    try:
+        return as_subject(make())
+    except Exception as exc:  # noqa: BLE001
+        raise FactoryError(factory, describe(exc), user_frame(exc) or _defined_at(make)) from exc
+
+
+def _defined_at(fn) -> str | None:
+    """``file:line`` where the user's factory function is defined (for errors in what it returned)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or _library(code.co_filename):
+        return None
+    return f"{code.co_filename}:{code.co_firstlineno}"
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: first line of the message`` (a SyntaxError without its own location, given separately)."""
+    text = exc.msg if isinstance(exc, SyntaxError) and exc.msg else str(exc)
+    lines = text.strip().splitlines()
+    first = lines[0][:300] if lines else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _library(filename: str) -> bool:
+    """Whether a traceback frame is paramfsm's, the standard library's or an installed package's own."""
+    if filename.startswith("<"):
+        return True
+    path = Path(filename).resolve()
+    roots = [Path(__file__).resolve().parents[1]]
+    roots += [Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "purelib", "platlib")]
+    return any(path.is_relative_to(root) for root in roots)
+
+
+def user_frame(exc: BaseException) -> str | None:
+    """``file:line`` of the innermost frame of the user's own code that the error came from, if any."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}" if exc.lineno else exc.filename
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if not _library(f.filename)]
+    frame = own[-1] if own else None
+    return f"{frame.filename}:{frame.lineno}" if frame else None
+
+
+def import_root(factory) -> str | None:
+    """The ``sys.path`` folder the factory's module was imported from (None when it is an installed module).
+
+    A reproduction script puts it on ``sys.path`` so that it runs wherever it is saved.
+    """
+    name = factory.partition(":")[0] if isinstance(factory, str) else getattr(factory, "__module__", "")
+    module = sys.modules.get(name)
+    file = getattr(module, "__file__", None)
+    if not file or name == "__main__" or name.split(".")[0] == "paramfsm":
+        return None
+    root = Path(file).resolve().parent
+    for _ in range(name.count(".") + (Path(file).name == "__init__.py")):
+        root = root.parent
+    return None if _library(str(root / "x.py")) else str(root)
 
 
 def global_batch(subject: Subject, batch: int, seed: int, world: int, per_rank: int):

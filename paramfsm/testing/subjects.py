@@ -4,6 +4,8 @@ Each function here is a factory: ``paramfsm verify paramfsm.testing.subjects:tin
 ``branchy_lm`` is the model the fault catalogue is checked against: it has
 tied embedding and head weights, and an adapter used only in training mode,
 so an eval-mode forward changes the unit order and leaves a prefetch unused.
+``once_differentiable_mlp`` has an activation without double backward, so
+plain torch cannot run its gradient penalties: verify rejects those programs.
 """
 
 from __future__ import annotations
@@ -73,3 +75,36 @@ class BranchyLM(nn.Module):
 def branchy_lm() -> Subject:
     """The fault catalogue's subject (see the module docstring)."""
     return Subject(BranchyLM(), token_batch, lm_loss)
+
+
+class _OnceDifferentiableTanh(torch.autograd.Function):
+    """tanh whose backward cannot be differentiated again (like SDPA's fused CPU kernel in torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+class OnceDifferentiableMLP(nn.Module):
+    """An MLP whose activation has no double backward: plain torch cannot take its gradient penalties."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(5, 7)
+        self.outer = nn.Linear(7, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(_OnceDifferentiableTanh.apply(self.inner(x)))
+
+
+def once_differentiable_mlp() -> Subject:
+    """A model-limit subject: verify must reject its gradient-penalty programs, not report them as bugs."""
+    return Subject(OnceDifferentiableMLP(), regression_batch, F.mse_loss)

@@ -18,27 +18,40 @@ Add one test to your CI::
 ``examples`` can be raised without editing the test through the
 ``PARAMFSM_VERIFY_EXAMPLES`` environment variable. See
 :mod:`paramfsm.testing.subject` for what the factory returns.
+
+A program plain torch cannot run the same way on the model (a gradient
+penalty through an op without double backward, say) is rejected as invalid
+for this model, not reported: the reference runs every op first (see
+:mod:`paramfsm.testing.checker`), and ``Report.rejected`` counts the
+rejections by reason.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
+from collections import Counter
+from typing import Callable
 
 import attrs
-from hypothesis import HealthCheck, Phase, Verbosity, example, given, settings
+from hypothesis import HealthCheck, Phase, Verbosity, example, given, reject, settings
 from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import Unsatisfiable
 
 from paramfsm.engine.units import select_unit_modules
 from paramfsm.launch import RankFailure, RankPool
+from paramfsm.testing.faults import FAULTS
 from paramfsm.testing.programs import Config, Program, Shape, canonical, programs
 from paramfsm.testing.reproduction import render
 from paramfsm.testing.runner import Options, Outcome, run_program
-from paramfsm.testing.subject import Subject, first_tensor, global_batch, load_subject, split
+from paramfsm.testing.subject import (
+    FactoryError, Subject, describe, first_tensor, global_batch, import_root, load_subject, split, user_frame,
+)
 
-__all__ = ["verify", "verify_model", "VerificationFailed", "Report", "Finding", "Subject", "load_subject",
-           "examples_from_env"]
+__all__ = ["verify", "verify_model", "VerificationFailed", "Report", "Finding", "Progress", "Subject",
+           "FactoryError", "load_subject", "examples_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +82,39 @@ class Finding:
 
 @attrs.frozen(slots=True)
 class Report:
-    """What a verification run did: examples run, time, and the (shrunk) failure if any."""
+    """What a verification run did: programs run, time, the (shrunk) failure if any, and the rejections.
+
+    ``examples`` counts every program run, rejected ones included; ``rejected``
+    maps a reason (the op plain torch could not run, and its error) to how many
+    programs it rejected.
+    """
 
     examples: int
     seconds: float
     failure: Finding | None = None
     examples_to_failure: int | None = None
     seconds_to_failure: float | None = None
+    rejected: dict = attrs.field(factory=dict)
+
+    @property
+    def accepted(self) -> int:
+        """Programs that plain torch could run (and so were checked)."""
+        return self.examples - sum(self.rejected.values())
+
+
+@attrs.frozen(slots=True)
+class Progress:
+    """Where a run is, for a progress line: programs done (and rejected) of those planned, seconds so far.
+
+    ``shrinking`` is set once a failure was found; ``smallest`` is then the op count of the smallest failure.
+    """
+
+    done: int
+    planned: int
+    rejected: int
+    seconds: float
+    shrinking: bool = False
+    smallest: int | None = None
 
 
 class VerificationFailed(AssertionError):
@@ -97,14 +136,27 @@ class _StopShrinking(BaseException):
 
 
 def probe(factory, seed: int = 0, per_rank: int = 2) -> Shape:
-    """What the generator needs to know about the subject, learnt by building it once here."""
+    """What the generator needs to know about the subject, learnt by building it once here.
+
+    Raises :class:`~paramfsm.testing.subject.FactoryError` when the factory, its
+    batches or its model's forward fail, or its units are not the model's.
+    """
     import torch
 
     subject = load_subject(factory, seed)
-    modules = tuple(name for name in select_unit_modules(subject.model, subject.units) if name)
-    inputs, _ = global_batch(subject, 0, seed, 1, per_rank)
+
+    def attempt(what: str, fn):
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - the user's code: summarised in one line
+            raise FactoryError(factory, f"{what}: {describe(exc)}", user_frame(exc)) from exc
+
+    modules = tuple(name for name in attempt("units", lambda: select_unit_modules(subject.model, subject.units))
+                    if name)
+    attempt("the plain-torch reference needs copy.deepcopy(model)", lambda: copy.deepcopy(subject.model))
+    inputs, _ = attempt("make_batch", lambda: global_batch(subject, 0, seed, 1, per_rank))
     with torch.no_grad():
-        output = subject.model(split(inputs, 1)[0])
+        output = attempt("the model's forward", lambda: subject.model(split(inputs, 1)[0]))
     try:
         tensor_output = isinstance(output, torch.Tensor) and first_tensor(output).is_floating_point()
     except TypeError:
@@ -115,15 +167,27 @@ def probe(factory, seed: int = 0, per_rank: int = 2) -> Shape:
 class _Search:
     """Runs programs on the pool and keeps the smallest failure of the first failure's kind."""
 
-    def __init__(self, pool: RankPool, factory, options: Options, shrink_budget_s: float):
+    def __init__(self, pool: RankPool, factory, options: Options, shrink_budget_s: float, planned: int,
+                 progress: Callable[[Progress], None] | None):
         self.pool, self.factory, self.options = pool, factory, options
         self.shrink_budget_s = shrink_budget_s
+        self.planned, self.progress = planned, progress
         self.runs = 0
+        self.rejected: Counter = Counter()
         self.start = time.perf_counter()
         self.first: tuple[int, float] | None = None
         self.best: tuple[Program, Outcome] | None = None
 
     def run(self, program: Program) -> None:
+        try:
+            self._run(program)
+        finally:
+            if self.progress is not None:
+                self.progress(Progress(self.runs - sum(self.rejected.values()), self.planned,
+                                       sum(self.rejected.values()), time.perf_counter() - self.start,
+                                       self.first is not None, len(self.best[0].ops) if self.best else None))
+
+    def _run(self, program: Program) -> None:
         if self.first is not None and time.perf_counter() - self.start - self.first[1] > self.shrink_budget_s:
             raise _StopShrinking()
         self.runs += 1
@@ -134,8 +198,12 @@ class _Search:
         except RankFailure as exc:
             outcomes = [Outcome(True, None, "crash", f"rank {exc.rank} died or hung", exc.detail)]
         outcome = _merge(outcomes)
-        log.info("example %d: %d ops, %s, %.2fs", self.runs, len(program.ops),
-                 f"FAILED ({outcome.kind})" if outcome.failed else "ok", time.perf_counter() - began)
+        status = f"FAILED ({outcome.kind})" if outcome.failed else "rejected" if outcome.kind == "invalid" else "ok"
+        log.info("example %d: %d ops, %s, %.2fs", self.runs, len(program.ops), status, time.perf_counter() - began)
+        if outcome.kind == "invalid":
+            op = program.ops[outcome.op] if outcome.op is not None else None
+            self.rejected[f"{type(op).__name__} op: {outcome.message}" if op else outcome.message] += 1
+            reject()
         if not outcome.failed:
             return
         if self.first is None:
@@ -149,7 +217,8 @@ def _merge(outcomes) -> Outcome:
     """One outcome for all ranks: the failure of the lowest-numbered rank that saw a problem itself."""
     failed = [o for o in outcomes if o.failed]
     if not failed:
-        return outcomes[0]
+        invalid = [o for o in outcomes if o.kind == "invalid"]
+        return min(invalid, key=lambda o: o.message.startswith("another rank")) if invalid else outcomes[0]
     own = [o for o in failed if o.kind != "peer"] or failed
     return min(own, key=lambda o: (o.op if o.op is not None else 1 << 30))
 
@@ -161,7 +230,7 @@ def _smaller(a: Program, b: Program) -> bool:
 def verify(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, pool: RankPool | None = None,
            fault: str | None = None, shrink: bool = True, shrink_budget_s: float = 120.0, max_ops: int = 16,
            per_rank: int = 2, config: Config | None = None, timeout_s: float = 60.0,
-           canonical_first: bool = True) -> Report:
+           canonical_first: bool = True, progress: Callable[[Progress], None] | None = None) -> Report:
     """Run the canonical programs, then up to ``examples`` drawn ones; return a :class:`Report`.
 
     ``report.failure`` is set on failure. The canonical programs
@@ -173,15 +242,22 @@ def verify(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, p
     the ranks). ``pool``: reuse a pool of ``world_size`` ranks (one is started
     and closed otherwise). ``fault``: inject a catalogued bug
     (:mod:`paramfsm.testing.faults`) on the ranks. ``config``: fix the sharding
-    configuration instead of drawing it.
+    configuration instead of drawing it. ``progress``: called with a
+    :class:`Progress` after every program.
+
+    Raises ValueError for a bad argument and
+    :class:`~paramfsm.testing.subject.FactoryError` when the factory or its
+    model cannot be used, before any rank starts.
     """
+    _check_arguments(world_size=world_size, examples=examples, max_ops=max_ops, per_rank=per_rank, fault=fault)
+    if pool is not None and pool.world != world_size:
+        raise ValueError(f"the pool has {pool.world} ranks, not world_size={world_size}")
     shape = probe(factory, seed, per_rank)
     options = Options(seed=seed, per_rank=per_rank, fault=fault, timeout_s=timeout_s)
     own_pool = pool is None
     pool = pool or RankPool(world_size, timeout=timeout_s * 2 + 30)
-    if pool.world != world_size:
-        raise ValueError(f"the pool has {pool.world} ranks, not world_size={world_size}")
-    search = _Search(pool, factory, options, shrink_budget_s)
+    explicit = canonical(shape) if config is None and canonical_first else []
+    search = _Search(pool, factory, options, shrink_budget_s, examples + len(explicit), progress)
     phases = (Phase.explicit, Phase.generate, Phase.shrink) if shrink else (Phase.explicit, Phase.generate)
 
     @settings(max_examples=examples, deadline=None, database=None, phases=phases, derandomize=False,
@@ -192,25 +268,35 @@ def verify(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, p
     def check(program):
         search.run(program)
 
-    if config is None and canonical_first:
-        for program in reversed(canonical(shape)):
-            check = example(program)(check)
+    for program in reversed(explicit):
+        check = example(program)(check)
     try:
         check()
-    except (_Falsified, _StopShrinking):
+    except (_Falsified, _StopShrinking, Unsatisfiable):  # Unsatisfiable: plain torch could run no drawn program
         pass
     finally:
         if own_pool:
             pool.close()
     seconds = time.perf_counter() - search.start
+    rejected = dict(search.rejected.most_common())
     if search.best is None:
-        return Report(search.runs, seconds)
+        return Report(search.runs, seconds, rejected=rejected)
     program, outcome = search.best
     message = outcome.message + (f"\n{outcome.detail}" if outcome.detail else "")
     script = render(program, _factory_name(factory), per_rank=per_rank, seed=seed, fail_at=outcome.op,
-                    message=f"{outcome.kind} check failed: {outcome.message}", fault=fault)
+                    message=f"{outcome.kind} check failed: {outcome.message}", fault=fault,
+                    path=import_root(factory), world=world_size)
     finding = Finding(program, outcome.op, outcome.kind, outcome.message, message, script)
-    return Report(search.runs, seconds, finding, search.first[0], search.first[1])
+    return Report(search.runs, seconds, finding, search.first[0], search.first[1], rejected)
+
+
+def _check_arguments(*, world_size: int, examples: int, max_ops: int, per_rank: int, fault: str | None) -> None:
+    for name, value in (("world_size", world_size), ("examples", examples), ("max_ops", max_ops),
+                        ("per_rank", per_rank)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: need a positive integer")
+    if fault is not None and fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
 
 
 def verify_model(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, pool: RankPool | None = None,

@@ -1,0 +1,300 @@
+"""The plain-torch reference of one rank and the checks ``paramfsm verify`` runs around every op.
+
+A :class:`Checker` wraps each op of a program, however the op is executed:
+by :mod:`paramfsm.testing.runner` on the ranks of a pool, or by the lines of a
+saved reproduction script (:mod:`paramfsm.testing.reproduction`)::
+
+    check = Checker(subject, Config(), seed=0, per_rank=2)   # copies the model before sharding
+    rt = paramfsm.shard(model, ...)
+    check.attach(rt)
+    with check(Forward(out=0, batch=0, mode="train")):
+        out0 = model(x0)                                      # the op, on the sharded model
+    ...
+    check.finish()                                            # the trace, then rt.close()
+
+Entering the block applies the op to the reference first (:class:`Mirror`),
+so an op plain torch cannot run (a model without double backward, say)
+raises :class:`Rejected` before paramfsm runs it: a limit of the model, not a
+paramfsm bug. Leaving the block runs the checks of
+:mod:`paramfsm.testing.checks` (see :mod:`paramfsm.testing.runner` for the
+list) and raises :class:`Failed` on a problem, or on any exception the op
+raised. Every rank calls one tiny all-reduce per op so that all ranks stop
+at the same op, whichever rank saw the problem.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from paramfsm.core.spec import State
+from paramfsm.testing import checks
+from paramfsm.testing.programs import (
+    PENALTY_WEIGHT, Backward, Config, Drop, Flush, Forward, Gathered, Loss, Penalty, Step, ZeroGrad,
+)
+from paramfsm.testing.subject import describe, first_tensor, global_batch, split
+
+_OK, _FAILED, _REJECTED = 0, 1, 2  # what a rank reports for an op; the ranks agree on the largest
+
+
+class Failed(Exception):
+    """A check failed (or the op raised) at op ``op`` (None: setting up or at the end); carries the check kind."""
+
+    def __init__(self, kind: str, problems, detail: str = "", op: int | None = None):
+        self.kind, self.problems, self.detail, self.op = kind, list(problems), detail, op
+        super().__init__("; ".join(self.problems))
+
+    def report(self) -> str:
+        """One line naming the check and the op, then the problems' detail (a traceback tail), if any."""
+        where = f"op {self.op}" if self.op is not None else "setup or teardown"
+        return f"{self.kind} check failed at {where}: {self}" + (f"\n{self.detail}" if self.detail else "")
+
+
+class Rejected(Exception):
+    """Plain torch cannot run op ``op`` on this model: the program is invalid for it, not a paramfsm bug."""
+
+    def __init__(self, reason: str, op: int, detail: str = ""):
+        self.reason, self.op, self.detail = reason, op, detail
+        super().__init__(f"plain torch cannot run op {op} on this model: {reason}")
+
+
+def loss_of(variant: int, out, targets, loss_fn):
+    """The program's loss ``variant``: the subject's loss, or the mean square or mean tanh of the output."""
+    if variant == 0:
+        return loss_fn(out, targets)
+    tensor = first_tensor(out).float()
+    return tensor.pow(2).mean() if variant == 1 else tensor.tanh().mean()
+
+
+def penalised(loss, params):
+    """``loss`` plus the weighted squared norm of its gradient (taken with ``create_graph=True``)."""
+    grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+    return loss + PENALTY_WEIGHT * sum(g.pow(2).sum() for g in grads if g is not None)
+
+
+class Mirror:
+    """The plain-torch reference: an unsharded copy that runs every rank's slice separately, the same way."""
+
+    def __init__(self, subject, world: int):
+        self.model = copy.deepcopy(subject.model)
+        self.opt = subject.optimizer(self.model.parameters())
+        self.loss_fn = subject.loss_fn
+        self.world = world
+        self.params = dict(self.model.named_parameters())
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.outs: dict[int, list] = {}
+        self.losses: dict[int, list] = {}
+
+    def grads(self) -> dict:
+        return {name: p.grad for name, p in self.params.items()}
+
+    def _forward(self, mode: str, inputs) -> list:
+        self.model.train(mode in ("train", "checkpoint", "no_grad"))
+        try:
+            if mode in ("no_grad", "eval_no_grad"):
+                with torch.no_grad():
+                    return [self.model(x) for x in inputs]
+            if mode == "checkpoint":
+                return [torch.utils.checkpoint.checkpoint(self.model, x, use_reentrant=False) for x in inputs]
+            return [self.model(x) for x in inputs]
+        finally:
+            self.model.train()
+
+    def apply(self, op, slices) -> None:
+        if isinstance(op, Forward):
+            outs = self._forward(op.mode, slices[op.batch][0])
+            if op.out >= 0:
+                self.outs[op.out] = outs
+        elif isinstance(op, Gathered) and op.batch is not None:
+            self._forward("no_grad", slices[op.batch][0])
+        elif isinstance(op, Loss):
+            targets = slices[op.batch][1]
+            self.losses[op.loss] = [loss_of(op.variant, o, t, self.loss_fn)
+                                    for o, t in zip(self.outs[op.out], targets)]
+        elif isinstance(op, Backward):
+            (sum(self.losses[op.loss]) / self.world).backward(retain_graph=op.retain)
+        elif isinstance(op, Penalty):
+            total = sum(penalised(loss, self.trainable) for loss in self.losses[op.loss])
+            (total / self.world).backward(retain_graph=op.retain)
+        elif isinstance(op, Drop):
+            del self.outs[op.out]
+            for k in op.losses:
+                del self.losses[k]
+        elif isinstance(op, ZeroGrad):
+            self.opt.zero_grad()
+        elif isinstance(op, Step):
+            self.opt.step()
+
+
+def agree(group, code: int) -> int:
+    """The largest code any rank reports (every rank calls this at the same point)."""
+    flag = torch.tensor([code])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item())
+
+
+class Checker:
+    """The reference and the checks of one rank, around ops run elsewhere (see the module docstring)."""
+
+    def __init__(self, subject, config: Config = Config(), *, seed: int = 0, per_rank: int = 2, group=None):
+        self.subject, self.config, self.seed, self.per_rank, self.group = subject, config, seed, per_rank, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.atol, self.rtol = subject.tolerances()
+        self.mirror = Mirror(subject, self.world)
+        self.rt = None
+        self.slices: dict = {}
+        self.index = -1  # the op being run
+        self.alive: set[int] = set()  # outputs the program still references (their graphs are alive)
+        self.retained: set[int] = set()  # alive outputs whose graph a backward retained and none freed
+        self.owner: dict[int, int] = {}  # loss -> output
+        self.released = False  # the op must leave nothing deferred
+        self.fresh = True  # no optimizer step since the last forward: gathered data must be current
+        self.marks: list[int] = []  # trace length before each op
+        self._op = None
+        self._before: dict = {}
+        self._all_deferred = False
+
+    def attach(self, rt) -> None:
+        """Check this runtime (``paramfsm.shard`` of the subject's model, with ``trace=True``)."""
+        self.rt = rt
+        self.grad_params = sum(1 for rec in checks.records(rt) if rec.requires_grad)
+
+    def batch(self, batch: int):
+        """Global batch ``batch`` split into the ranks' slices: ``(input slices, target slices)``."""
+        if batch not in self.slices:
+            inputs, targets = global_batch(self.subject, batch, self.seed, self.world, self.per_rank)
+            self.slices[batch] = (split(inputs, self.world), split(targets, self.world))
+        return self.slices[batch]
+
+    # ------------------------------------------------------------------ around one op
+    def __call__(self, op) -> "Checker":
+        self._op = op
+        return self
+
+    def __enter__(self) -> "Checker":
+        op, rt = self._op, self.rt
+        self.index += 1
+        self.marks.append(len(rt.trace))
+        self._before = rt.counters
+        self._all_deferred = self.config.retain == "defer" and all(
+            rec.state is State.DEFERRED_RELEASE for rec in checks.records(rt))
+        self.released = False
+        try:
+            for batch in {getattr(op, "batch", None)} - {None}:
+                self.batch(batch)
+            self.mirror.apply(op, self.slices)
+        except Exception as exc:  # noqa: BLE001 - whatever plain torch raises rejects the op
+            agree(self.group, _REJECTED)
+            self._stop()
+            raise Rejected(describe(exc), self.index, traceback.format_exc(limit=-4)) from None
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not a finding
+            return False
+        failure = None
+        if isinstance(exc, Failed):
+            failure = exc
+        elif exc is not None:
+            detail = "".join(traceback.format_exception(exc, limit=-6))
+            failure = Failed("exception", [f"{type(exc).__name__}: {exc}"], detail)
+        else:
+            try:
+                self._track(self._op)
+                self._check(self._op)
+            except Failed as found:
+                failure = found
+        code = agree(self.group, _FAILED if failure is not None else _OK)
+        if code == _OK:
+            return False
+        self._stop()
+        if code == _REJECTED:
+            raise Rejected("another rank's reference failed", self.index) from None
+        failure = failure or Failed("peer", ["another rank failed"])
+        failure.op = self.index
+        raise failure from None
+
+    def _stop(self) -> None:
+        """Detach the runtime without any collective: after a failure its state may be inconsistent."""
+        self.rt.detach()
+
+    def _track(self, op) -> None:
+        if isinstance(op, Forward):
+            self.fresh = True
+            if op.out >= 0:
+                self.alive.add(op.out)
+        elif isinstance(op, Loss):
+            self.owner[op.loss] = op.out
+        elif isinstance(op, (Backward, Penalty)):
+            out = self.owner[op.loss]
+            if op.retain:
+                self.retained.add(out)
+            else:
+                self.retained.discard(out)
+                self.released = not self.retained
+        elif isinstance(op, Drop):
+            self.alive.discard(op.out)
+            self.retained.discard(op.out)
+        elif isinstance(op, Step):
+            self.fresh = False
+
+    def _check(self, op) -> None:
+        rt = self.rt
+        problems = checks.state_invariants(rt)
+        if problems:
+            raise Failed("invariant", problems)
+        released_by = ("rt.flush()" if isinstance(op, Flush) else
+                       "a backward without retain_graph and no retained graph alive" if self.released else "")
+        problems = checks.at_rest(rt, bool(self.alive), self.config.retain, released_by)
+        if problems:
+            raise Failed("at rest", problems)
+        problems = checks.matches_reference(rt, self.mirror.params, self.mirror.grads(), self.rank, self.world,
+                                            self.atol, self.rtol)
+        if problems:
+            raise Failed("reference", problems)
+        if self.fresh:
+            problems = checks.full_values(rt, self.mirror.params, self.atol, self.rtol)
+            if problems:
+                raise Failed("stale data", problems)
+        problems = checks.communication(type(op).__name__, self._before, rt.counters,
+                                        all_deferred=self._all_deferred, grad_params=self.grad_params,
+                                        units=len(rt.units))
+        if problems:
+            raise Failed("communication", problems)
+
+    def inside_gathered(self, *modules) -> None:
+        """Inside ``with rt.gathered(*modules)``: every parameter there is AVAILABLE and current."""
+        rt = self.rt
+        wanted = modules[0].parameters() if modules else self.subject.model.parameters()
+        problems = [f"'{rt.record(p).name}' is {rt.state(p).name} inside rt.gathered"
+                    for p in wanted if rt.state(p) is not State.AVAILABLE]
+        problems += checks.full_values(rt, self.mirror.params, self.atol, self.rtol, (State.AVAILABLE,))
+        problems += checks.state_invariants(rt)
+        if problems:
+            raise Failed("gathered", problems)
+
+    # ------------------------------------------------------------------ at the end
+    def finish(self) -> None:
+        """The trace replays through the spec, then ``rt.close()`` restores the reference parameters."""
+        rt = self.rt
+        index, problems = checks.trace_problems(rt.trace.records, rt.table)
+        at = bisect.bisect_right(self.marks, index) - 1 if index is not None else None
+        self._settle(Failed("trace", problems, op=at) if problems else None, at)
+        rt.close()
+        model = self.subject.model
+        problems = [f"after rt.close(), '{name}' differs from the reference"
+                    for name, p in model.named_parameters()
+                    if not torch.allclose(p.detach(), self.mirror.params[name].detach(),
+                                          atol=self.atol, rtol=self.rtol)]
+        self._settle(Failed("close", problems) if problems else None, None, closed=True)
+
+    def _settle(self, failure: Failed | None, op: int | None, closed: bool = False) -> None:
+        if not agree(self.group, _FAILED if failure is not None else _OK):
+            return
+        if not closed:
+            self._stop()
+        raise failure or Failed("peer", ["another rank failed"], op=op)
