@@ -86,7 +86,7 @@ class Scheduler(BackwardHandlers):
             PRE_BACKWARD: self._on_pre_backward, POST_BACKWARD: self._on_post_backward,
             GRAD_READY: self._on_grad_ready, BACKWARD_END: self._on_backward_end,
             GRAPH_FREED: self._on_graph_freed, FLUSH: lambda ev: self.flush(),
-            FORWARD_FAILED: lambda ev: self.report_failure(None, "forward-exception"),
+            FORWARD_FAILED: self._on_forward_failed,
         }
 
     # ------------------------------------------------------------------ queue
@@ -239,6 +239,12 @@ class Scheduler(BackwardHandlers):
         self.forward_open = False
         self._abandon(self.fwd_plan, self.forward)
         self.fwd_plan = self.fwd_plan.updated(self.forward.order)
+
+    def _on_forward_failed(self, ev: Event) -> None:
+        """A root forward raised. Inside backward that is how non-reentrant checkpointing stops a
+        recomputation early (see paramfsm.engine.backward), not a failure."""
+        if ev.graph_task == gt.NO_TASK:
+            self.report_failure(None, "forward-exception")
 
     def _on_pre_forward(self, ev: Event) -> None:
         if ev.graph_task != gt.NO_TASK:
