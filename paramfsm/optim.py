@@ -33,15 +33,19 @@ or a model sharded after the optimizer first stepped, is mapped at the next step
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from paramfsm.engine.partitioned import OWNERS, record_of
 from paramfsm.errors import ParamFSMError
 
-_MAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]]" = weakref.WeakKeyDictionary()
+# optimizer -> (sharding generation, param groups scanned, whether it steps shards)
+_MAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int, bool]]" = weakref.WeakKeyDictionary()
+_SHARDS = WeakIdKeyDictionary()  # every shard of every sharded model (to tell a shard optimizer)
 _hook_handle = None
 _generation = 0
 
@@ -50,24 +54,63 @@ class OptimizerStateMismatch(ParamFSMError):
     """An optimizer holds state for a full parameter that paramfsm would have to map to its shard."""
 
 
-def install() -> None:
-    """Register the global step pre-hook once per process; called by every ``paramfsm.shard``."""
+def install(shards=()) -> None:
+    """Register the global step pre-hook once per process; called by every ``paramfsm.shard`` with its shards."""
     global _hook_handle, _generation
     _generation += 1
+    for shard in shards:
+        _SHARDS[shard] = True
     if _hook_handle is None:
         _hook_handle = register_optimizer_step_pre_hook(_before_step)
 
 
 def _before_step(optimizer, args, kwargs) -> None:
     seen = _MAPPED.get(optimizer)
-    if seen == (_generation, len(optimizer.param_groups)) or not OWNERS:
+    if seen is not None and seen[:2] == (_generation, len(optimizer.param_groups)):
+        if seen[2]:
+            _refuse_local_scaler(optimizer)
         return
-    start = seen[1] if seen is not None and seen[0] == _generation else 0
+    if not OWNERS:
+        return
+    fresh = seen is None or seen[0] != _generation
+    start = 0 if fresh else seen[1]
+    sharded = False if fresh else seen[2]
     for group in optimizer.param_groups[start:]:
         params = group["params"]
         if any(record_of(p) is not None for p in params):
             group["params"] = [_shard_for(optimizer, p) for p in params]
-    _MAPPED[optimizer] = (_generation, len(optimizer.param_groups))
+            sharded = True
+        sharded = sharded or any(p in _SHARDS for p in params)
+    _MAPPED[optimizer] = (_generation, len(optimizer.param_groups), sharded)
+    if sharded:
+        _refuse_local_scaler(optimizer)
+
+
+def _refuse_local_scaler(optimizer) -> None:
+    """Raise when a plain ``torch.amp.GradScaler`` is stepping shards (its skip decision is per rank).
+
+    [Note: a scaler's skip decision must be global]
+    ``GradScaler.step`` calls ``optimizer.step()`` only when its own rank found
+    no inf. On shards, an overflow in one rank's slice would make that rank
+    skip while the others step: silently diverging shards. The scaler is
+    found as ``self`` of the ``GradScaler._maybe_opt_step`` frame that called
+    this step (a few frames up); :class:`paramfsm.amp.GradScaler` agrees
+    ``found_inf`` across ranks first and is let through.
+    """
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return
+        if frame.f_code.co_name == "_maybe_opt_step":
+            scaler = frame.f_locals.get("self")
+            if isinstance(scaler, torch.amp.GradScaler) and not getattr(scaler, "agrees_across_ranks", False):
+                raise ParamFSMError(
+                    f"a plain torch.amp.GradScaler is stepping {type(optimizer).__name__} over paramfsm shards: "
+                    "each rank would decide alone whether a gradient overflowed, so ranks could skip "
+                    "different steps and the shards would silently diverge. What to do: use "
+                    "paramfsm.amp.GradScaler(rt, ...) (the same API; found_inf is agreed across ranks).")
+            return
+        frame = frame.f_back
 
 
 def map_optimizer(optimizer) -> None:

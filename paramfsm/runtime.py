@@ -125,7 +125,7 @@ class Runtime:
             self._handles.append(model.register_forward_pre_hook(
                 partial(_cast_inputs, param_dtype), with_kwargs=True))
         _SHARDED[model] = True
-        optim.install()
+        optim.install(self.shard_parameters())
         for rec in by_id.values():
             _PARTITIONED[rec.param] = type(model).__name__
 
