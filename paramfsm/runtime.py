@@ -17,12 +17,12 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import checkpoint, grad_norm, optim
+from paramfsm import checkpoint, full_state, grad_norm, optim
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import State, load_spec
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine import hooks, partitioned, placeholder
-from paramfsm.engine.collectives import all_gather_flat, resolve_group, timeout_s
+from paramfsm.engine.collectives import resolve_group, timeout_s
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.flight import FlightRecorder, make_trace
 from paramfsm.engine.scheduler import Scheduler
@@ -101,6 +101,7 @@ class Runtime:
         self.units, by_id = build_units(model, units, self.rank, self.world)
         self._by_id = by_id
         self._by_name = {name: rec for rec in by_id.values() for name in rec.names}
+        self._index = {id(rec): i for i, rec in enumerate(by_id.values())}  # numbers full-tensor collectives
         # Always a Trace (empty with trace=0), so rt.trace.records / dump work either way; only
         # a recording runtime hands it to the FSM, so trace=0 pays nothing per step.
         self.trace = make_trace(trace, self.rank, self.table.digest, list(by_id.values()))
@@ -114,7 +115,8 @@ class Runtime:
                                    trace=self.trace if recording else None, strict=strict)
         self.flight = FlightRecorder(self.trace if recording else None, self.scheduler.ctx)
         self.scheduler.on_failure = self.flight.failed
-        self.executor.ctx, self.executor.unit_names = self.scheduler.ctx, tuple(u.name for u in self.units)
+        self.executor.ctx = self.scheduler.ctx
+        self.executor.unit_names = full_state.collective_names(self.units, by_id.values())
         if debug:
             self.executor.rank_check = "header"
         for rec in by_id.values():
@@ -166,16 +168,6 @@ class Runtime:
         return self.executor.counters.as_dict()
 
     # ------------------------------------------------------------------ collectives
-    def _gather_flat(self, shard: torch.Tensor, rec) -> torch.Tensor:
-        if self.world == 1:
-            full = shard.detach().clone()
-        else:
-            full = torch.empty(rec.shard_numel * self.world, dtype=shard.dtype, device=shard.device)
-            work = all_gather_flat(full, shard.detach().contiguous(), self.group, async_op=True)
-            with self._reporting():
-                self.executor.timed_wait(f"all-gather of '{rec.name}' (full tensor)", (rec,))(work)
-        return full[: rec.numel].view(rec.shape).clone()
-
     @contextlib.contextmanager
     def _reporting(self):
         """Hand an exception raised outside the scheduler (a collective here) to the flight recorder."""
@@ -186,12 +178,13 @@ class Runtime:
             raise
 
     def full_param(self, param_or_name) -> torch.Tensor:
-        """The full parameter, all-gathered from the shards (collective: every rank calls it)."""
+        """The full parameter, all-gathered from the shards (collective: every rank calls it; rank-checked)."""
         rec = self.record(param_or_name)
-        return self._gather_flat(rec.shard, rec)
+        with self._reporting():
+            return full_state.gather(self, rec, rec.shard, full_state.PARAMETER)
 
     def full_grad(self, param_or_name) -> torch.Tensor | None:
-        """The full averaged gradient, all-gathered from the shard grads (collective).
+        """The full averaged gradient, all-gathered from the shard grads (collective; rank-checked).
 
         None when no backward produced a gradient for it since the last zero_grad
         (the same on every rank, as every rank runs the same backward).
@@ -200,40 +193,22 @@ class Runtime:
         grad = rec.shard.grad
         if grad is None:
             return None
-        return self._gather_flat(grad, rec)
+        with self._reporting():
+            return full_state.gather(self, rec, grad, full_state.GRADIENT)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """A plain state dict (full tensors, the model's own keys): loadable without paramfsm."""
-        out = {}
-        for key, value in self.model.state_dict(keep_vars=True).items():
-            rec = self._by_id.get(id(value))
-            out[key] = self.full_param(rec) if rec is not None else value.detach().clone()
-        return out
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """A plain state dict (full tensors, the model's own keys): loadable without paramfsm. Collective.
+
+        Each distinct parameter is gathered once; the keys of a tied parameter
+        share one tensor. ``rank0_only=True``: rank 0 gets the full tensors on
+        the CPU, the other ranks an empty dict (see :mod:`paramfsm.full_state`).
+        """
+        with self._reporting():
+            return full_state.full_state_dict(self, rank0_only=rank0_only)
 
     def load_full_state_dict(self, state_dict) -> None:
-        """Load a plain (full) state dict: each rank keeps its slice of every parameter."""
-        self.flush()
-        busy = [rec.name for rec in self._by_id.values() if rec.state is not State.NOT_AVAILABLE]
-        if busy:
-            raise ParamFSMError(f"cannot load a state dict while parameters are gathered: {busy[:5]}; "
-                                "call it between iterations")
-        own = self.model.state_dict(keep_vars=True)
-        missing = [k for k in own if k not in state_dict]
-        if missing:
-            raise ParamFSMError(f"state dict is missing keys {missing[:5]}")
-        with torch.no_grad():
-            for key, value in own.items():
-                rec = self._by_id.get(id(value))
-                src = state_dict[key]
-                if rec is None:
-                    value.copy_(src)
-                    continue
-                if tuple(src.shape) != tuple(rec.shape):
-                    raise ParamFSMError(f"'{key}': shape {tuple(src.shape)} does not match {tuple(rec.shape)}")
-                flat = torch.zeros(rec.shard_numel * self.world, dtype=rec.shard.dtype)
-                flat[: rec.numel].copy_(src.reshape(-1))
-                lo = self.rank * rec.shard_numel
-                rec.shard.copy_(flat[lo: lo + rec.shard_numel].to(rec.shard.device))
+        """Load a plain (full) state dict: each rank keeps its slice of every parameter (tied keys: any one)."""
+        full_state.load_full_state_dict(self, state_dict)
 
     def sharded_state_dict(self) -> dict:
         """This rank's shards as flat sharded DTensors (plus buffers), for ``torch.distributed.checkpoint``.
@@ -325,6 +300,17 @@ class Runtime:
             for unit in chosen:
                 self.scheduler.unhold(unit)
 
+    def generate(self, *args, **kwargs):
+        """``model.generate(...)`` for a sharded Hugging Face model, ready for different prompts per rank.
+
+        Collective: every rank of the default process group calls it. It turns
+        on ``synced_gpus`` (unless given), which transformers enables by itself
+        only for DeepSpeed ZeRO-3 and FSDP; see :func:`paramfsm.integrations.hf.generate`.
+        """
+        from paramfsm.integrations import hf
+
+        return hf.generate(self, *args, **kwargs)
+
     def detach(self) -> None:
         """Stop managing the model without any collective: remove every hook and forget it.
 
@@ -351,7 +337,10 @@ class Runtime:
         if self.scheduler.closed:
             return self.model
         self.flush()
-        fulls = {id(rec): self.full_param(rec) for rec in self._by_id.values()}
+        with self._reporting():
+            fulls = {id(rec): full_state.gather(self, rec, rec.shard) for rec in self._by_id.values()}
+            grads = {id(rec): full_state.gather(self, rec, rec.shard.grad, full_state.GRADIENT)
+                     for rec in self._by_id.values() if rec.shard.grad is not None}
         self._remove_hooks()
         self.scheduler.closed = True
         self.trace.close()
@@ -359,8 +348,8 @@ class Runtime:
             placeholder.reveal(rec.param)
             partitioned.release(rec.param)
             rec.param.data = fulls[id(rec)]
-            if rec.shard.grad is not None:
-                rec.param.grad = self._gather_flat(rec.shard.grad, rec)
+            if id(rec) in grads:
+                rec.param.grad = grads[id(rec)]
         _SHARDED.pop(self.model, None)
         for rec in self._by_id.values():
             _PARTITIONED.pop(rec.param, None)

@@ -5,10 +5,16 @@ loop with the Trainer's optimizer recipe (AdamW over ``named_parameters()``,
 weight decay off for biases and norms) against plain torch; the full state
 dict goes through ``save_pretrained`` / ``from_pretrained`` and gives the same
 logits; ``generate()`` under ``no_grad`` gives the same tokens as the plain model.
+``rt.generate`` with a different prompt and length per rank matches the plain
+model per prompt; ``save_pretrained(state_dict=rt.full_state_dict())`` of GPT-2
+and BERT writes the same file as a plain save, one all-gather per parameter.
+(The Trainer is tested in test_hf_trainer.py.)
 """
 
 from __future__ import annotations
 
+import copy
+import os
 import tempfile
 
 import pytest
@@ -31,6 +37,11 @@ def build(kind: str):
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                          bos_token_id=0, eos_token_id=0)
         return transformers.GPT2LMHeadModel(config)
+    if kind == "bert":
+        config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32,
+                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return transformers.BertForMaskedLM(config)
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
                                       max_position_embeddings=32, tie_word_embeddings=False,
@@ -106,3 +117,87 @@ def test_hugging_face_model_end_to_end(ranks2, kind):
         ours, plain = report["generate"]
         assert ours == plain and len(ours[0]) == 8
         assert report["reload_err"] < 1e-5
+
+
+def generate_job(rank, world):
+    model = build("gpt2")
+    plain = copy.deepcopy(model)
+    rt = paramfsm.shard(model)
+    # A different prompt and length per rank; rank 0 asks for fewer tokens, so it finishes first
+    # and must keep running forwards until rank 1 is done (synced_gpus).
+    prompt = torch.randint(1, VOCAB, (1, 3 + 2 * rank), generator=torch.Generator().manual_seed(11 + rank))
+    new_tokens = 3 if rank == 0 else 7
+    with torch.no_grad():
+        ours = rt.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+        want = plain.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    states = set(rt.states().values())
+    after = rt.full_state_dict()  # the ranks are still in step after generating
+    in_step = all(torch.equal(after[k], v) for k, v in plain.state_dict().items())
+    rt.close()
+    return ours.tolist(), want.tolist(), states, in_step
+
+
+def test_generate_with_a_different_prompt_per_rank(ranks2):
+    results = ranks2.run(generate_job)
+    for rank, (ours, want, states, in_step) in enumerate(results):
+        assert ours == want, f"rank {rank}: {ours} != plain {want}"
+        assert len(ours[0]) == 3 + 2 * rank + (3 if rank == 0 else 7)
+        assert states == {State.NOT_AVAILABLE}
+        assert in_step
+
+
+def _safetensors(directory):
+    from safetensors import safe_open
+
+    path = os.path.join(directory, "model.safetensors")
+    with safe_open(path, "pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    with open(path, "rb") as handle:
+        return tensors, handle.read()
+
+
+def tied_save_job(rank, world, kind):
+    model = build(kind)
+    plain = copy.deepcopy(model)
+    rt = paramfsm.shard(model)
+    report = {"distinct": len(list(model.parameters())), "gathers": []}
+    for rank0_only in (False, True):
+        before = rt.counters["all_gathers"]
+        state = rt.full_state_dict(rank0_only=rank0_only)
+        report["gathers"].append(rt.counters["all_gathers"] - before)
+        report[rank0_only] = sorted(state)
+    full = rt.full_state_dict()
+    own = plain.state_dict()
+    report["values"] = set(full) == set(own) and all(torch.equal(full[k], v) for k, v in own.items())
+    # Aliases share one tensor, as the keys of a plain state dict share one storage.
+    report["aliases"] = sorted((a, b) for a in full for b in full
+                               if a < b and own[a].data_ptr() == own[b].data_ptr() and full[a] is full[b])
+    report["plain_aliases"] = sorted((a, b) for a in own for b in own
+                                     if a < b and own[a].data_ptr() == own[b].data_ptr())
+    with tempfile.TemporaryDirectory() as scratch:
+        where = [scratch]
+        torch.distributed.broadcast_object_list(where, src=0)
+        if rank == 0:
+            model.save_pretrained(os.path.join(where[0], "ours"), state_dict=state)
+            plain.save_pretrained(os.path.join(where[0], "plain"))
+            (ours, ours_bytes), (want, want_bytes) = (_safetensors(os.path.join(where[0], name))
+                                                      for name in ("ours", "plain"))
+            report["keys"] = (sorted(ours), sorted(want))
+            report["same_tensors"] = all(torch.equal(ours[k], want[k]) for k in want if k in ours)
+            report["same_bytes"] = ours_bytes == want_bytes
+        torch.distributed.barrier()
+    rt.close()
+    return report
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_full_state_dict_saves_like_a_plain_model(ranks2, kind):
+    zero, one = ranks2.run(tied_save_job, kind)
+    assert zero["values"] and one["values"]
+    assert zero["aliases"] == zero["plain_aliases"] != []
+    for report in (zero, one):
+        assert report["gathers"] == [report["distinct"]] * 2, "one all-gather per distinct parameter"
+    assert zero[True] == zero[False] and one[True] == [], "rank0_only: the full dict on rank 0 only"
+    ours, want = zero["keys"]
+    assert ours == want, f"keys differ from a plain save: {sorted(set(ours) ^ set(want))}"
+    assert zero["same_tensors"] and zero["same_bytes"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "paramfsm"
-FACADE = {"runtime", "cli", "checkpoint", "grad_norm", "launch", "demo", "__main__"}
+FACADE = {"runtime", "cli", "checkpoint", "full_state", "grad_norm", "integrations", "launch", "demo", "__main__"}
 # Third-party modules the pure core may not touch: it must load without a process group or a GPU.
 IMPURE = ("torch", "cupy")
 

@@ -201,8 +201,8 @@ def state_dict_and_close_job(rank, world):
         sharded_out = pair.model(tok)
     pair.assert_states(State.NOT_AVAILABLE, what="after a no_grad forward")
     pair.finish(close=False)
-    before = pair.rt.counters
     closed = pair.rt.close()
+    before = pair.rt.counters
     assert closed is pair.model
     assert all(type(p) is nn.Parameter and p.shape == q.shape
                for p, q in zip(closed.parameters(), pair.ref.model.parameters()))

@@ -1,0 +1,156 @@
+"""Full tensors from shards: what ``rt.full_param``, ``full_grad``, ``full_state_dict`` and ``close`` gather.
+
+Every full tensor is one all-gather of the parameter's shard (or shard
+gradient), waited for with the runtime's time limit. Two rules make these
+collectives as safe as the gathers of forward and backward:
+
+* **Rank-checked.** Each goes through the same rank-order check as a unit's
+  gather (see [Note: full-tensor collectives carry a rank-order tag]).
+* **One gather per parameter.** A tied parameter (one ``nn.Parameter`` under
+  several state-dict keys) is gathered once, and every one of its keys maps to
+  the same full tensor, as ``model.state_dict()`` does on a plain model (there
+  the aliases share one storage). ``save_pretrained(state_dict=...)`` and
+  ``safetensors`` recognise the aliases by their shared storage and write the
+  same keys and bytes as a plain save.
+
+[Note: full-tensor collectives carry a rank-order tag]
+A full-tensor all-gather is tagged ``(gather number, step, index, elements)``
+like a unit's bucket (:mod:`paramfsm.engine.rankcheck`), where ``index``
+counts past the units: ``units + 2 * i`` for parameter ``i``'s value and
+``units + 2 * i + 1`` for its gradient. So it can never be mistaken for a
+unit's gather, for another parameter's full tensor, or for the gradient of
+the same parameter. By default on CPU the tag rides in the gathered buffer (no
+extra collective): a desync that pairs it with a collective of the same size
+on another rank (``rt.full_param`` on one rank while another runs a forward
+whose bucket has the same number of elements) raises RankDesync on every
+rank. Paired with a collective of another size, gloo aborts the process
+before any tag is read. With ``debug=True`` a fixed-size header is
+all-gathered first, so every pairing raises RankDesync on every rank before
+the payload moves. Gathers count in ``rt.counters`` like any other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paramfsm.core.spec import State
+from paramfsm.engine import kernels, rankcheck
+from paramfsm.engine.collectives import all_gather_flat
+from paramfsm.errors import ParamFSMError
+
+PARAMETER, GRADIENT = "parameter", "gradient"
+
+
+def collective_names(units, records) -> tuple[str, ...]:
+    """Names of everything a rank-order tag can point at: the units, then each parameter's full tensors."""
+    names = [unit.name for unit in units]
+    for rec in records:
+        names += [f"<full {PARAMETER} '{rec.name}'>", f"<full {GRADIENT} '{rec.name}'>"]
+    return tuple(names)
+
+
+def gather(rt, rec, tensor: torch.Tensor, kind: str = PARAMETER, keep: bool = True) -> torch.Tensor | None:
+    """The full value of the shard-shaped ``tensor`` of ``rec`` (collective, rank-checked).
+
+    ``kind`` is :data:`PARAMETER` or :data:`GRADIENT` (it names the collective
+    in errors and tags). With ``keep=False`` the rank takes part in the
+    collective and its check but builds no full tensor and returns None.
+    """
+    shard = tensor.detach()
+    if rt.world == 1:
+        return shard[: rec.numel].view(rec.shape).clone() if keep else None
+    ex, world = rt.executor, rt.world
+    index = len(rt.units) + 2 * rt._index[id(rec)] + (kind == GRADIENT)
+    step = rt.scheduler.pinned_step  # rt.set_step names the step of every collective from now on
+    if step is None:
+        step = ex.ctx.step if ex.ctx is not None else 0
+    fields = (ex.counters.all_gathers, step, index, rec.shard_numel)
+    what = f"all-gather of the full {kind} '{rec.name}'"
+    tagged = ex.rank_check == "tag" and shard.device.type == "cpu"
+    if ex.rank_check == "header":
+        rankcheck.check_header(fields, rt.rank, world, rt.group, ex.unit_names, "all-gather",
+                               ex.timed_wait(f"rank-check header of the {what}", (rec,)))
+    parts = [shard.reshape(-1)]
+    if tagged:
+        parts.append(rankcheck.encode(fields, shard.dtype, shard.device))
+    layout = kernels.shard_layout((rec.numel,) + ((rankcheck.TAG_NUMEL * world,) if tagged else ()), world)
+    send = kernels.pack_shards(parts, torch.empty(layout.total, dtype=shard.dtype, device=shard.device))
+    recv = torch.empty(layout.gathered_numel, dtype=shard.dtype, device=shard.device)
+    work = all_gather_flat(recv, send, rt.group, async_op=True)
+    ex.counters.all_gathers += 1
+    ex.counters.gathered_bytes += recv.numel() * recv.element_size()
+    ex.timed_wait(what, (rec,))(work)
+    if tagged:  # the tag is the last rankcheck.TAG_NUMEL elements of every rank's slice
+        rankcheck.check_encoded(recv.view(world, layout.total)[:, -rankcheck.TAG_NUMEL:], rt.rank, ex.unit_names)
+    if not keep:
+        return None
+    full = torch.empty(rec.shape, dtype=shard.dtype, device=shard.device)
+    outs = [full]
+    if tagged:
+        outs.append(torch.empty(rankcheck.TAG_NUMEL * world, dtype=shard.dtype, device=shard.device))
+    kernels.unpack_gathered(recv, outs, layout.shard_numels, world)
+    return full
+
+
+def full_state_dict(rt, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The model's state dict with full tensors, each distinct parameter gathered once (collective).
+
+    Aliases of a tied parameter map to the same tensor object. ``rank0_only``:
+    rank 0 gets every full tensor on the CPU and the other ranks an empty dict;
+    every rank still takes part in every gather, but only rank 0 keeps a full
+    tensor, and only one at a time is on the device (see :func:`gather`).
+    """
+    keep = not rank0_only or rt.rank == 0
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor | None] = {}  # id(parameter or buffer) -> its full tensor (None: not kept)
+    for key, value in rt.model.state_dict(keep_vars=True).items():
+        if id(value) not in done:
+            rec = rt._by_id.get(id(value))
+            if rec is not None:
+                full = gather(rt, rec, rec.shard, PARAMETER, keep=keep)
+            else:
+                full = value.detach().clone() if keep else None
+            if full is not None and rank0_only:
+                full = full.to("cpu")
+            done[id(value)] = full
+        if keep:
+            out[key] = done[id(value)]
+    return out
+
+
+def load_full_state_dict(rt, state_dict) -> None:
+    """Load a plain (full) state dict: each rank keeps its slice of every parameter. No collective.
+
+    A tied parameter is loaded from whichever of its keys is present (a file
+    written by ``save_pretrained`` keeps only one of them); when several are,
+    they must agree.
+    """
+    rt.flush()
+    busy = [rec.name for rec in rt._by_id.values() if rec.state is not State.NOT_AVAILABLE]
+    if busy:
+        raise ParamFSMError(f"cannot load a state dict while parameters are gathered: {busy[:5]}; "
+                            "call it between iterations")
+    own = rt.model.state_dict(keep_vars=True)
+    sources: dict[int, tuple[str, torch.Tensor]] = {}
+    for key, value in own.items():
+        if key in state_dict:
+            first = sources.setdefault(id(value), (key, state_dict[key]))
+            if first[1] is not state_dict[key] and not torch.equal(first[1], state_dict[key]):
+                raise ParamFSMError(f"state dict keys '{first[0]}' and '{key}' name one tied parameter "
+                                    "but hold different values; keep one of them")
+    missing = [key for key, value in own.items() if id(value) not in sources]
+    if missing:
+        raise ParamFSMError(f"state dict is missing keys {missing[:5]} (rank {rt.rank})")
+    with torch.no_grad():
+        for ident, (key, src) in sources.items():
+            rec = rt._by_id.get(ident)
+            if rec is None:
+                own[key].copy_(src)
+                continue
+            if tuple(src.shape) != tuple(rec.shape):
+                raise ParamFSMError(f"'{key}': shape {tuple(src.shape)} does not match the parameter's "
+                                    f"{tuple(rec.shape)} (rank {rt.rank})")
+            lo = min(rt.rank * rec.shard_numel, rec.numel)
+            hi = min(lo + rec.shard_numel, rec.numel)
+            rec.shard.zero_()
+            rec.shard[: hi - lo].copy_(src.reshape(-1)[lo:hi])

@@ -1,0 +1,4 @@
+"""paramfsm with other libraries: :mod:`paramfsm.integrations.hf` (Hugging Face transformers).
+
+Each integration imports its library when it is imported itself, never from ``import paramfsm``.
+"""
