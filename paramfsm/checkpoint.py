@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from paramfsm.core.spec import State
 from paramfsm.errors import ParamFSMError
@@ -37,18 +37,27 @@ from paramfsm.errors import ParamFSMError
 OPTIM_PREFIX = "optim."
 
 
-def _mesh(rt) -> DeviceMesh:
+def _mesh(rt) -> tuple[DeviceMesh, list]:
+    """The mesh the flat DTensors live on, and their placements.
+
+    One process group: a 1-D mesh over it, ``[Shard(0)]``. Hybrid sharding: the
+    runtime's 2-D ``(replicate, shard)`` mesh, ``[Replicate(), Shard(0)]``, so
+    DCP saves each shard once however many replicas hold it.
+    """
+    if getattr(rt, "mesh", None) is not None:
+        return rt.mesh, [Replicate(), Shard(0)]
     group = rt.group if rt.group is not None else dist.group.WORLD
     device = next(iter(rt._by_id.values())).shard.device.type
-    return DeviceMesh.from_group(group, device)
+    return DeviceMesh.from_group(group, device), [Shard(0)]
 
 
-def _flat_dtensor(rt, mesh, rec, tensor: torch.Tensor) -> DTensor:
-    """The valid part of a shard-shaped tensor as a chunk of the flat ``(numel,)`` DTensor."""
+def _flat_dtensor(rt, where, rec, tensor: torch.Tensor) -> DTensor:
+    """The valid part of a shard-shaped tensor as a chunk of the flat ``(numel,)`` DTensor (``where``: ``_mesh``)."""
     start = min(rt.rank * rec.shard_numel, rec.numel)
     stop = min(start + rec.shard_numel, rec.numel)
     local = tensor.detach()[: stop - start]
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+    mesh, placements = where
+    return DTensor.from_local(local, mesh, placements, run_check=False,
                               shape=torch.Size((rec.numel,)), stride=(1,))
 
 
@@ -67,11 +76,11 @@ def sharded_state_dict(rt) -> dict:
     any world size into it with ``torch.distributed.checkpoint.load`` (in
     place), or pass a loaded dict to :func:`load_sharded_state_dict`.
     """
-    mesh = _mesh(rt)
+    where = _mesh(rt)
     out = {}
     for key, value in rt.model.state_dict(keep_vars=True).items():
         rec = rt._by_id.get(id(value))
-        out[key] = _flat_dtensor(rt, mesh, rec, rec.shard) if rec is not None else value.detach()
+        out[key] = _flat_dtensor(rt, where, rec, rec.shard) if rec is not None else value.detach()
     return out
 
 
@@ -131,7 +140,7 @@ def _init_optim_state(optimizer) -> None:
 
 def sharded_optim_state_dict(rt, optimizer) -> dict:
     """The optimizer's state keyed ``optim.<param name>.<state key>``, shard-shaped tensors as DTensors."""
-    mesh = _mesh(rt)
+    where = _mesh(rt)
     recs = _optim_names(rt, optimizer)
     state = optimizer.state_dict()
     out = {}
@@ -140,7 +149,7 @@ def sharded_optim_state_dict(rt, optimizer) -> dict:
         for key, value in entries.items():
             name = f"{OPTIM_PREFIX}{rec.name}.{key}"
             if isinstance(value, torch.Tensor) and value.shape == rec.shard.shape:
-                out[name] = _flat_dtensor(rt, mesh, rec, value)
+                out[name] = _flat_dtensor(rt, where, rec, value)
             else:
                 out[name] = value
     groups = []
@@ -173,13 +182,18 @@ def load_sharded_optim_state_dict(rt, optimizer, state_dict) -> None:
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
+def _dcp_group(rt):
+    """Every rank takes part in a DCP save or load: with a 2-D mesh, the default group spanning it."""
+    return None if getattr(rt, "mesh", None) is not None else rt.group
+
+
 def save(rt, path, optimizer=None) -> None:
     """Save the model's shards (and the optimizer's, if given) to the DCP checkpoint ``path``. Collective."""
     _require_idle(rt, "save a sharded checkpoint")
     state = sharded_state_dict(rt)
     if optimizer is not None:
         state.update(sharded_optim_state_dict(rt, optimizer))
-    dcp.save(state, checkpoint_id=str(path), process_group=rt.group)
+    dcp.save(state, checkpoint_id=str(path), process_group=_dcp_group(rt))
 
 
 def load(rt, path, optimizer=None) -> None:
@@ -189,7 +203,7 @@ def load(rt, path, optimizer=None) -> None:
     if optimizer is not None:
         _init_optim_state(optimizer)
         state.update(sharded_optim_state_dict(rt, optimizer))
-    dcp.load(state, checkpoint_id=str(path), process_group=rt.group)
+    dcp.load(state, checkpoint_id=str(path), process_group=_dcp_group(rt))
     load_sharded_state_dict(rt, state)
     if optimizer is not None:
         load_sharded_optim_state_dict(rt, optimizer, state)
