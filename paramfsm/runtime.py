@@ -13,6 +13,7 @@ from functools import partial
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -22,7 +23,7 @@ from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import State, load_spec
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine import hooks, partitioned, placeholder
-from paramfsm.engine.collectives import resolve_group, timeout_s
+from paramfsm.engine.collectives import resolve_group, resolve_mesh, timeout_s
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.flight import FlightRecorder, make_trace
 from paramfsm.engine.scheduler import Scheduler
@@ -40,7 +41,7 @@ _PARTITIONED = WeakIdKeyDictionary()
 def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
           prefetch: int = 1, trace=False, spec=None, *, strict: bool = False,
           bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False,
-          collective_timeout: float | None = None) -> "Runtime":
+          collective_timeout: float | None = None, mesh=None) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
     ``units``: None (every module owning parameters directly), module classes,
@@ -68,6 +69,11 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     ``collective_timeout``: seconds any host wait on a collective may take
     before :class:`~paramfsm.errors.CollectiveTimeout` is raised (default
     ``$PARAMFSM_COLLECTIVE_TIMEOUT`` or 600).
+    ``mesh``: a ``DeviceMesh`` instead of ``group``. 1-D: shard over it. 2-D
+    ``(replicate, shard)``: hybrid sharding, as FSDP2 takes it: parameters are
+    sharded along the shard dimension and replicated along the other; gradients
+    are reduce-scattered within the shard group, then all-reduced across
+    replicas (averaged over every rank, like plain torch on the global batch).
     """
     if retain not in RETAIN_POLICIES:
         raise ParamFSMError(f"retain={retain!r}: expected one of {RETAIN_POLICIES}")
@@ -83,20 +89,31 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
         raise ParamFSMError(f"prefetch={prefetch}: must be >= 0")
     try:
         limit = timeout_s(collective_timeout)
+        replicate_group = None
+        if mesh is not None:
+            if group is not None:
+                raise ValueError("give group= or mesh=, not both")
+            group, replicate_group = resolve_mesh(mesh)
     except ValueError as exc:
         raise ParamFSMError(str(exc)) from None
     return Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-                   bucket_bytes, param_dtype, reduce_dtype, debug, limit)
+                   bucket_bytes, param_dtype, reduce_dtype, debug, limit,
+                   mesh if replicate_group is not None else None, replicate_group)
 
 
 class Runtime:
     """A sharded model's lifetime runtime. Create it with :func:`paramfsm.shard`."""
 
     def __init__(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-                 bucket_bytes, param_dtype, reduce_dtype, debug=False, collective_timeout=600.0):
+                 bucket_bytes, param_dtype, reduce_dtype, debug=False, collective_timeout=600.0,
+                 mesh=None, replicate_group=None):
         self.model = model
         device = _model_device(model)
         self.group, self.rank, self.world = resolve_group(group, device)
+        # Hybrid sharding: the 2-D mesh and its replicate group; traces and dumps carry the global rank.
+        self.mesh, self.replicate_group = mesh, replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        trace_rank = dist.get_rank() if mesh is not None else self.rank
         self.table = compile_table(load_spec(spec)) if spec is not None else default_table()
         self.units, by_id = build_units(model, units, self.rank, self.world)
         self._by_id = by_id
@@ -104,13 +121,14 @@ class Runtime:
         self._index = {id(rec): i for i, rec in enumerate(by_id.values())}  # numbers full-tensor collectives
         # Always a Trace (empty with trace=0), so rt.trace.records / dump work either way; only
         # a recording runtime hands it to the FSM, so trace=0 pays nothing per step.
-        self.trace = make_trace(trace, self.rank, self.table.digest, list(by_id.values()))
+        self.trace = make_trace(trace, trace_rank, self.table.digest, list(by_id.values()))
         recording = self.trace.limit != 0
         self.executor = Executor(self.group, self.rank, self.world, param_dtype=param_dtype,
                                  reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
-                                 streams=streams_for(device), timeout_s=collective_timeout)
+                                 streams=streams_for(device), timeout_s=collective_timeout,
+                                 replicate_group=replicate_group, replicas=self.replicas)
         self.scheduler = Scheduler(self.table, self.units, list(by_id.values()), self.executor,
-                                   rank=self.rank, retain=retain, prefetch=prefetch,
+                                   rank=trace_rank, retain=retain, prefetch=prefetch,
                                    max_deferred_bytes=max_deferred_bytes, bucket_bytes=bucket_bytes,
                                    trace=self.trace if recording else None, strict=strict)
         self.flight = FlightRecorder(self.trace if recording else None, self.scheduler.ctx)
@@ -120,7 +138,7 @@ class Runtime:
         if debug:
             self.executor.rank_check = "header"
         for rec in by_id.values():
-            partitioned.adopt(rec.param, rec, self.rank)
+            partitioned.adopt(rec.param, rec, trace_rank)
             self.executor.free(rec)
         self._handles = hooks.install(model, self.units, list(by_id.values()), self.scheduler.emit)
         if param_dtype is not None:

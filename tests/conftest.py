@@ -33,3 +33,10 @@ def ranks1():
     """One gloo rank (world size 1), e.g. to reload a checkpoint saved on more ranks."""
     with RankPool(1, timeout=180) as pool:
         yield pool
+
+
+@pytest.fixture(scope="session")
+def ranks4():
+    """Four gloo ranks (the most the suite spawns): a 2 x 2 device mesh for hybrid sharding."""
+    with RankPool(4, timeout=180) as pool:
+        yield pool

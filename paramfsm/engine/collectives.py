@@ -130,9 +130,45 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool 
     return _ALL_GATHER(out, inp, group=group, async_op=async_op)
 
 
-def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
-    """Sum ``inp`` (world*S, rank-major) over ranks; this rank's S elements land in ``out``."""
-    return _REDUCE_SCATTER(out, inp, group=group, async_op=async_op)
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True, replicate_group=None):
+    """Sum ``inp`` (world*S, rank-major) over ranks; this rank's S elements land in ``out``.
+
+    With ``replicate_group`` (hybrid sharding), ``out`` is then also summed
+    across the replicas, when the returned handle is waited on.
+    """
+    work = _REDUCE_SCATTER(out, inp, group=group, async_op=async_op)
+    return work if replicate_group is None else _AcrossReplicas(work, out, replicate_group)
+
+
+class _AcrossReplicas:
+    """A reduce-scatter's handle whose ``wait`` then sums its output across the replicate group.
+
+    [Note: hybrid reduction]
+    Hybrid sharding keeps one copy of every shard per replica. A gradient is
+    reduce-scattered within the shard group (each rank gets its shard's sum
+    over the group) and the shard is then all-reduced across the replicate
+    group, so every replica ends with the sum over all ranks. The all-reduce is
+    issued only once the reduce-scatter is complete (on a device: after the
+    stream has waited for it), and waited on with the same limit.
+    """
+
+    def __init__(self, work, out: torch.Tensor, replicate_group):
+        self.work, self.out, self.replicate_group = work, out, replicate_group
+
+    def wait(self, **kwargs) -> bool:
+        if self.work is not None:
+            self.work.wait(**kwargs)
+        dist.all_reduce(self.out, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True).wait(**kwargs)
+        return True
+
+
+def resolve_mesh(mesh) -> tuple:
+    """``(shard group, replicate group or None)`` of a 1-D mesh or a 2-D ``(replicate, shard)`` DeviceMesh."""
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0)
+    raise ValueError(f"mesh of {mesh.ndim} dimensions: expected 1 (shard) or 2 (replicate, shard)")
 
 
 def all_gather_tags(tag: torch.Tensor, world: int, group, wait: Callable | None = None) -> torch.Tensor:

@@ -94,13 +94,16 @@ class Executor:
     """Runs gather / free / reduce effects for one process group."""
 
     def __init__(self, group, rank: int, world: int, *, param_dtype=None, reduce_dtype=None,
-                 bucket_bytes: int = 1 << 20, streams=None, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 bucket_bytes: int = 1 << 20, streams=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 replicate_group=None, replicas: int = 1):
         self.group, self.rank, self.world = group, rank, world
+        # Hybrid sharding: gradients are also summed across replicas ([Note: hybrid reduction]).
+        self.replicate_group, self.replicas = replicate_group, replicas
         self.timeout_s = timeout_s  # the limit of every host wait on a collective
         self.streams = streams if streams is not None else HostStreams()
         # World 1 needs no collective: the shard is the parameter. The GPU check turns this
         # off to drive the full path (packing kernels, NCCL, streams) on a single device.
-        self.local = world == 1
+        self.local = world == 1 and replicas == 1
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.bucket_bytes = bucket_bytes
@@ -336,9 +339,9 @@ class Executor:
         """
         inp = torch.empty(layout.total * self.world, dtype=dtype, device=grads[0].device)
         kernels.pack_grads(grads, layout.shard_numels, self.world, inp)
-        inp.div_(self.world)
+        inp.div_(self.world * self.replicas)
         out = torch.empty(layout.total, dtype=dtype, device=inp.device)
-        work = reduce_scatter_flat(out, inp, self.group, async_op=True)
+        work = reduce_scatter_flat(out, inp, self.group, async_op=True, replicate_group=self.replicate_group)
         if self.streams.asynchronous:
             work.wait()
             return out, None
