@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_lm.py"
 COMMON = ["--save-every", "3", "--depth", "2", "--dim", "32", "--seq", "16", "--batch", "4"]
@@ -27,6 +29,7 @@ def _losses(proc: subprocess.Popen) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in re.findall(r"^step (\d+)/\d+ loss ([\d.]+)", output, re.M)}
 
 
+@pytest.mark.slow
 def test_train_lm_resumes_where_it_stopped(tmp_path):
     straight = _torchrun("--steps", "6", out=tmp_path / "straight")
     first = _torchrun("--steps", "3", out=tmp_path / "resumed")

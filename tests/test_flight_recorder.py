@@ -172,6 +172,7 @@ def stalled_peer_job(rank, world, out_dir):
     return None
 
 
+@pytest.mark.slow
 def test_a_stalled_peer_raises_collective_timeout(tmp_path):
     with RankPool(2, timeout=60) as pool:  # its own ranks: a timed-out group is not reused
         results = pool.run(stalled_peer_job, str(tmp_path))

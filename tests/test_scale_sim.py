@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_scale_simulation_matches_the_zero3_formula():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "scale_sim.py"), "--worlds", "8", "--steps", "1",
