@@ -32,6 +32,7 @@ the payload moves. Gathers count in ``rt.counters`` like any other.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from paramfsm.core.spec import State
 from paramfsm.engine import kernels, rankcheck
@@ -100,7 +101,7 @@ def full_state_dict(rt, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     every rank still takes part in every gather, but only rank 0 keeps a full
     tensor, and only one at a time is on the device (see :func:`gather`).
     """
-    keep = not rank0_only or rt.rank == 0
+    keep = not rank0_only or (dist.get_rank() if rt.mesh is not None else rt.rank) == 0  # hybrid: global rank 0
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor | None] = {}  # id(parameter or buffer) -> its full tensor (None: not kept)
     for key, value in rt.model.state_dict(keep_vars=True).items():

@@ -61,6 +61,8 @@ def hybrid_job(rank, world, shape, retain, save_to=None):
     if save_to is not None:
         paramfsm.checkpoint.save(pair.rt, save_to)
     params = {n: pair.rt.full_param(n) for n, _ in model.named_parameters()}
+    on_rank0 = pair.rt.full_state_dict(rank0_only=True)
+    assert bool(on_rank0) == (rank == 0), "rank0_only keeps the full tensors on global rank 0 alone"
     report = pair.finish()
     return params, report["counters"], sorted({r.rank for r in pair.rt.trace.records})
 
