@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from paramfsm import amp, checkpoint, grad_norm
 from paramfsm.engine import events, executor, graph_task, hooks
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.scheduler import Scheduler
@@ -30,7 +31,8 @@ def _patchable():
     return ({name: getattr(Scheduler, name) for name in dir(Scheduler) if not name.startswith("__")},
             {name: getattr(Executor, name) for name in dir(Executor) if not name.startswith("__")},
             hooks._post_forward, events.ForwardCall.__del__, graph_task.queue_final_callback,
-            executor.reduce_scatter_flat)
+            executor.reduce_scatter_flat, dict(vars(amp.GradScaler)), grad_norm.clip_grad_norm_,
+            checkpoint._flat_dtensor)
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))

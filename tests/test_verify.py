@@ -1,9 +1,10 @@
 """``paramfsm verify``: generated programs, the checks, shrinking, reproductions and our models.
 
-The command line is tested in ``test_verify_cli.py``.
+The command line is tested in ``test_verify_cli.py``, the training-loop ops (mixed precision, the loss
+scaler, clipping, checkpoints, freezing, reentrant blocks) in ``test_verify_training.py``.
 
-The model runs share one two-rank pool (the ``ranks2`` fixture). ``PARAMFSM_VERIFY_EXAMPLES``
-raises their budget (programs per model) for longer runs.
+The model runs share one two-rank pool (the ``ranks2`` fixture); one runs at world size 3 (``ranks3``).
+``PARAMFSM_VERIFY_EXAMPLES`` raises their budget (programs per model) for longer runs.
 """
 
 from __future__ import annotations
@@ -30,17 +31,16 @@ from paramfsm.testing.verify import (
 )
 
 SUBJECTS = "paramfsm.testing.subjects:"
-MLP_SHAPE = Shape(modules=("0", "2", "4"))
 
 
 # ------------------------------------------------------------------ generated programs
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-@given(programs(MLP_SHAPE, max_ops=16))
+@given(programs(probe(SUBJECTS + "mlp_regression"), max_ops=16))
 def test_generated_programs_are_valid_plain_torch(program):
     """The reference runs every generated program without an autograd error (no backward through a freed graph)."""
     subject = load_subject(SUBJECTS + "mlp_regression", 0)
-    mirror = Mirror(subject, world=2)
+    mirror = Mirror(subject, 2, program.config)
     slices = {b: tuple(split(part, 2) for part in global_batch(subject, b, 0, 2, 2)) for b in range(4)}
     for op in program.ops:
         mirror.apply(op, slices)
@@ -161,6 +161,12 @@ def test_a_failure_shrinks_to_a_reproduction(ranks2):
 @pytest.mark.parametrize("subject", ["tiny_transformer", "tiny_transformer_tied", "mlp_regression", "branchy_lm"])
 def test_verify_our_models(ranks2, subject):
     verify_model(SUBJECTS + subject, world_size=2, examples=12, pool=ranks2, shrink_budget_s=30)
+
+
+def test_verify_at_world_3(ranks3):
+    """CI runs verify at world size 3 too (padded shards of another size): canonical, then drawn programs."""
+    report = verify_model(SUBJECTS + "branchy_lm", world_size=3, examples=8, pool=ranks3, shrink_budget_s=30)
+    assert report.accepted >= 8
 
 
 # The invariants DESIGN §2/§3 promise per state. A spec edit that drops one must fail here, not pass

@@ -143,7 +143,8 @@ def test_the_rejection_summary_counts_by_reason():
     text = rejections({"Penalty op: RuntimeError: no double backward": 3, "Forward op: ValueError: eval": 1})
     assert text == ("4 programs rejected: plain torch cannot run them on this model: "
                     "Penalty op: RuntimeError: no double backward (3); Forward op: ValueError: eval (1) "
-                    "(Subject(checkpoint=False) draws no activation checkpointing; "
+                    "(Subject(checkpoint=False) draws no activation checkpointing, Subject(blocks=()) no "
+                    "per-block reentrant checkpointing; "
                     "Subject(create_graph=False) draws no gradient penalties)")
     assert rejections({"Loss op: KeyError: 'x'": 1}).startswith("1 program rejected: plain torch cannot run it ")
 

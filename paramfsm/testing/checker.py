@@ -12,7 +12,7 @@ saved reproduction script (:mod:`paramfsm.testing.reproduction`)::
     ...
     check.finish()                                            # the trace, then rt.close()
 
-Entering the block applies the op to the reference first (:class:`Mirror`),
+Entering the block applies the op to the reference first (:class:`~paramfsm.testing.mirror.Mirror`),
 so an op plain torch cannot run (a model without double backward, say)
 raises :class:`Rejected` before paramfsm runs it: a limit of the model, not a
 paramfsm bug. Leaving the block runs the checks of
@@ -25,18 +25,20 @@ at the same op, whichever rank saw the problem.
 from __future__ import annotations
 
 import bisect
-import copy
+import shutil
 import traceback
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from paramfsm.core.spec import State
-from paramfsm.testing import checks
-from paramfsm.testing.programs import (
-    PENALTY_WEIGHT, Backward, Config, Drop, Flush, Forward, Gathered, Loss, Penalty, Step, ZeroGrad,
+from paramfsm.testing import checks, training
+from paramfsm.testing.mirror import Mirror, loss_of, penalised  # noqa: F401 - re-exported for the runner
+from paramfsm.testing.ops import (
+    Backward, Checkpoint, Config, Drop, Flush, Forward, FullState, Loss, Penalty, Step,
 )
-from paramfsm.testing.subject import describe, first_tensor, global_batch, split
+from paramfsm.testing.subject import describe, global_batch, split
 
 _OK, _FAILED, _REJECTED = 0, 1, 2  # what a rank reports for an op; the ranks agree on the largest
 
@@ -62,74 +64,6 @@ class Rejected(Exception):
         super().__init__(f"plain torch cannot run op {op} on this model: {reason}")
 
 
-def loss_of(variant: int, out, targets, loss_fn):
-    """The program's loss ``variant``: the subject's loss, or the mean square or mean tanh of the output."""
-    if variant == 0:
-        return loss_fn(out, targets)
-    tensor = first_tensor(out).float()
-    return tensor.pow(2).mean() if variant == 1 else tensor.tanh().mean()
-
-
-def penalised(loss, params):
-    """``loss`` plus the weighted squared norm of its gradient (taken with ``create_graph=True``)."""
-    grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
-    return loss + PENALTY_WEIGHT * sum(g.pow(2).sum() for g in grads if g is not None)
-
-
-class Mirror:
-    """The plain-torch reference: an unsharded copy that runs every rank's slice separately, the same way."""
-
-    def __init__(self, subject, world: int):
-        self.model = copy.deepcopy(subject.model)
-        self.opt = subject.optimizer(self.model.parameters())
-        self.loss_fn = subject.loss_fn
-        self.world = world
-        self.params = dict(self.model.named_parameters())
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.outs: dict[int, list] = {}
-        self.losses: dict[int, list] = {}
-
-    def grads(self) -> dict:
-        return {name: p.grad for name, p in self.params.items()}
-
-    def _forward(self, mode: str, inputs) -> list:
-        self.model.train(mode in ("train", "checkpoint", "no_grad"))
-        try:
-            if mode in ("no_grad", "eval_no_grad"):
-                with torch.no_grad():
-                    return [self.model(x) for x in inputs]
-            if mode == "checkpoint":
-                return [torch.utils.checkpoint.checkpoint(self.model, x, use_reentrant=False) for x in inputs]
-            return [self.model(x) for x in inputs]
-        finally:
-            self.model.train()
-
-    def apply(self, op, slices) -> None:
-        if isinstance(op, Forward):
-            outs = self._forward(op.mode, slices[op.batch][0])
-            if op.out >= 0:
-                self.outs[op.out] = outs
-        elif isinstance(op, Gathered) and op.batch is not None:
-            self._forward("no_grad", slices[op.batch][0])
-        elif isinstance(op, Loss):
-            targets = slices[op.batch][1]
-            self.losses[op.loss] = [loss_of(op.variant, o, t, self.loss_fn)
-                                    for o, t in zip(self.outs[op.out], targets)]
-        elif isinstance(op, Backward):
-            (sum(self.losses[op.loss]) / self.world).backward(retain_graph=op.retain)
-        elif isinstance(op, Penalty):
-            total = sum(penalised(loss, self.trainable) for loss in self.losses[op.loss])
-            (total / self.world).backward(retain_graph=op.retain)
-        elif isinstance(op, Drop):
-            del self.outs[op.out]
-            for k in op.losses:
-                del self.losses[k]
-        elif isinstance(op, ZeroGrad):
-            self.opt.zero_grad()
-        elif isinstance(op, Step):
-            self.opt.step()
-
-
 def agree(group, code: int) -> int:
     """The largest code any rank reports (every rank calls this at the same point)."""
     flag = torch.tensor([code])
@@ -143,9 +77,12 @@ class Checker:
     def __init__(self, subject, config: Config = Config(), *, seed: int = 0, per_rank: int = 2, group=None):
         self.subject, self.config, self.seed, self.per_rank, self.group = subject, config, seed, per_rank, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.atol, self.rtol = subject.tolerances()
-        self.mirror = Mirror(subject, self.world)
+        self.atol, self.rtol = training.tolerances(subject, config)
+        self.mirror = Mirror(subject, self.world, config)
+        self.blocks = self.mirror.blocks  # what a reentrant forward checkpoints
         self.rt = None
+        self.scaler = None
+        self.scratch: list[str] = []  # DCP folders to remove once every rank is past the op
         self.slices: dict = {}
         self.index = -1  # the op being run
         self.alive: set[int] = set()  # outputs the program still references (their graphs are alive)
@@ -158,10 +95,10 @@ class Checker:
         self._before: dict = {}
         self._all_deferred = False
 
-    def attach(self, rt) -> None:
-        """Check this runtime (``paramfsm.shard`` of the subject's model, with ``trace=True``)."""
-        self.rt = rt
-        self.grad_params = sum(1 for rec in checks.records(rt) if rec.requires_grad)
+    def attach(self, rt, scaler=None) -> None:
+        """Check this runtime (``paramfsm.shard`` of the subject's model, with ``trace=True``) and its
+        ``paramfsm.amp.GradScaler`` (fp16 programs)."""
+        self.rt, self.scaler = rt, scaler
 
     def batch(self, batch: int):
         """Global batch ``batch`` split into the ranks' slices: ``(input slices, target slices)``."""
@@ -209,6 +146,7 @@ class Checker:
             except Failed as found:
                 failure = found
         code = agree(self.group, _FAILED if failure is not None else _OK)
+        self._clean_scratch()
         if code == _OK:
             return False
         self._stop()
@@ -242,6 +180,13 @@ class Checker:
         elif isinstance(op, Step):
             self.fresh = False
 
+    def _clean_scratch(self) -> None:
+        """Remove the op's DCP folders (every rank has passed the op's agreement, so none still reads them)."""
+        if self.rank == 0:
+            for path in self.scratch:
+                shutil.rmtree(path, ignore_errors=True)
+        self.scratch.clear()
+
     def _check(self, op) -> None:
         rt = self.rt
         problems = checks.state_invariants(rt)
@@ -260,11 +205,68 @@ class Checker:
             problems = checks.full_values(rt, self.mirror.params, self.atol, self.rtol)
             if problems:
                 raise Failed("stale data", problems)
+        state_op = isinstance(op, (FullState, Checkpoint))  # one all-gather per parameter, by design
         problems = checks.communication(type(op).__name__, self._before, rt.counters,
-                                        all_deferred=self._all_deferred, grad_params=self.grad_params,
-                                        units=len(rt.units))
+                                        all_deferred=self._all_deferred,
+                                        grad_params=sum(rec.requires_grad for rec in checks.records(rt)),
+                                        units=len(rt.units), extra_gathers=len(checks.records(rt)) * state_op)
         if problems:
             raise Failed("communication", problems)
+        if isinstance(op, Step) and self.scaler is not None:
+            got, want = self.scaler.get_scale(), self.mirror.scaler.get_scale()
+            if got != want:
+                raise Failed("scaler", [f"the loss scale is {got} after scaler.update(), plain torch's is {want} "
+                                        "(the ranks and the reference disagree on skipping the step)"])
+
+    # ------------------------------------------------------------------ results handed over by an op
+    def _agreed(self, kind: str, problems: list[str]) -> None:
+        """Raise on every rank if any rank found problems: the op's later collectives must not run on some only."""
+        if agree(self.group, _FAILED if problems else _OK) != _OK:
+            raise Failed(kind if problems else "peer", problems or ["another rank failed"])
+
+    def clipped(self, total) -> None:
+        """After ``total = rt.clip_grad_norm_(...)``: the total norm is plain torch's."""
+        want = self.mirror.norm
+        problems = [] if torch.allclose(total.float(), want.float(), atol=self.atol, rtol=self.rtol,
+                                        equal_nan=True) else [
+            f"rt.clip_grad_norm_ returned a total norm of {float(total):.6g}, plain torch's is {float(want):.6g}"]
+        self._agreed("clip", problems)
+
+    def full_state(self, state_dict) -> None:
+        """After ``sd = rt.full_state_dict()``: the keys and values of the reference's ``state_dict()``."""
+        want = self.mirror.saved
+        problems = [f"rt.full_state_dict() lacks '{k}'" for k in want if k not in state_dict]
+        problems += [f"rt.full_state_dict() has an extra key '{k}'" for k in state_dict if k not in want]
+        problems += [f"rt.full_state_dict()['{k}'] differs from the reference's" for k in want
+                     if k in state_dict and checks.close(state_dict[k], want[k], self.atol, self.rtol) is not None]
+        self._agreed("state dict", problems)
+
+    def sharded(self, state_dict) -> None:
+        """After a DCP save: every parameter's DTensor holds exactly this rank's ``Shard(0)`` chunk of the
+        flattened reference parameter (the chunk ``torch.chunk`` gives it), and buffers are the reference's."""
+        want = dict(self.mirror.model.state_dict())
+        problems = []
+        for key, value in state_dict.items():
+            if not isinstance(value, DTensor):
+                if checks.close(value, want[key], self.atol, self.rtol) is not None:
+                    problems.append(f"buffer '{key}' of the sharded state dict differs from the reference's")
+                continue
+            flat = want[key].detach().reshape(-1)
+            size = -(-flat.numel() // self.world)
+            chunk = flat[min(self.rank * size, flat.numel()):min((self.rank + 1) * size, flat.numel())]
+            local = value.to_local()
+            if local.shape != chunk.shape:
+                problems.append(f"'{key}': this rank's DTensor chunk has {local.numel()} elements, its Shard(0) "
+                                f"chunk of {flat.numel()} on {self.world} ranks has {chunk.numel()}")
+            elif checks.close(local, chunk, self.atol, self.rtol) is not None:
+                problems.append(f"'{key}': this rank's DTensor chunk differs from the reference's slice")
+        self._agreed("checkpoint", problems)
+
+    def scratch_dir(self) -> str:
+        """A temporary folder for a DCP checkpoint, the same on every rank, removed after the op (collective)."""
+        path = training.scratch_dir(self.group)
+        self.scratch.append(path)
+        return path
 
     def inside_gathered(self, *modules) -> None:
         """Inside ``with rt.gathered(*modules)``: every parameter there is AVAILABLE and current."""

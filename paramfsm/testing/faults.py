@@ -1,10 +1,13 @@
 """A catalogue of real parameter-lifetime bugs, each injectable into paramfsm for a test.
 
 Every entry re-creates, inside paramfsm, a bug that shipped in a ZeRO-3 or
-FSDP implementation (the ``source`` says where it was reported). A fault is
-a context manager that monkeypatches one scheduler, executor, hooks or
-graph-task function for the duration of the ``with`` block and restores it
-afterwards; nothing in the normal code path knows about faults.
+FSDP implementation, or in the loss scaling, clipping or sharded
+checkpointing around one (the ``source`` says where it was reported). A
+fault is a context manager that monkeypatches one scheduler, executor, hooks
+or graph-task function (or, in :mod:`paramfsm.testing.training_faults`, the
+scaler, clipping or checkpoint function) for the duration of the ``with``
+block and restores it afterwards; nothing in the normal code path knows
+about faults.
 
 Faults act in the process that activates them. Under a
 :class:`~paramfsm.launch.RankPool` the rank job activates the fault by name
@@ -31,6 +34,11 @@ from paramfsm.engine import events, executor, graph_task, hooks
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.engine.scheduler import Scheduler
+from paramfsm.testing.patching import patched as _patched
+from paramfsm.testing.training_faults import (
+    checkpoint_offset_unpadded, clip_without_clamp, found_inf_not_agreed, scale_not_backpropagated,
+    unscaled_once_per_backward,
+)
 
 
 @attrs.frozen(slots=True)
@@ -42,17 +50,6 @@ class Fault:
     source: str
     kind: str  # "correctness", "memory" or "performance": what verify must notice
     inject: Callable[[], contextlib.AbstractContextManager]
-
-
-@contextlib.contextmanager
-def _patched(owner, attr: str, make: Callable) -> Iterator[None]:
-    """Replace ``owner.attr`` with ``make(original)`` for the duration of the block."""
-    original = getattr(owner, attr)
-    setattr(owner, attr, make(original))
-    try:
-        yield
-    finally:
-        setattr(owner, attr, original)
 
 
 def _preprocess_once_per_process():
@@ -264,6 +261,33 @@ CATALOGUE: tuple[Fault, ...] = (
           "activation-checkpoint recomputation inside backward does not gather the parameters it uses",
           "huggingface/transformers #47254 and DeepSpeed PR #8148 (recomputed metadata shape [0])",
           "correctness", _recompute_not_gathered),
+    Fault("found_inf_not_agreed",
+          "the loss scaler's found_inf stays local: only the rank owning an overflowed slice skips the step",
+          "pytorch/pytorch PR #115710 ('when rank 0 have inf grad, rank 1...k should get found_inf=1'), "
+          "the motivation of FSDP's ShardedGradScaler (pytorch/pytorch PR #76918)",
+          "correctness", found_inf_not_agreed),
+    Fault("unscaled_once_per_backward",
+          "gradients are unscaled once per backward pass since the last step, so after a retained second "
+          "backward they are divided by the scale twice",
+          "DeepSpeed PR #7665 (a backward epilogue per backward call), Megatron-DeepSpeed PR #42 "
+          "('grad accum double scaling bug')",
+          "correctness", unscaled_once_per_backward),
+    Fault("scale_not_backpropagated",
+          "the loss scale is applied to a value that is not backpropagated: the unscaled loss is",
+          "DeepSpeed PR #7793 ('Fix loss scaling and backward call of ZenFlow')",
+          "correctness", scale_not_backpropagated),
+    Fault("clip_without_clamp",
+          "clip_grad_norm_ multiplies by max_norm / total without clamping at 1, scaling gradients up when the "
+          "total norm is below max_norm",
+          "GS-WGAN #5 ('it seems we need to add clip_coef = clip_coef.clamp(max=1.0)'), tinygrad PR #11761 "
+          "('clamp GRAD_CLIP_NORM in llama'), pytorch/pytorch #151554",
+          "correctness", clip_without_clamp),
+    Fault("checkpoint_offset_unpadded",
+          "a sharded checkpoint's slice offset is numel // world, not the padded shard size: the last rank's "
+          "chunk runs past the parameter into the padding",
+          "NVIDIA/Megatron-LM PR #5898 (a terminal shard extending past the unpadded size into bucket padding), "
+          "NVIDIA/Megatron-LM PR #5077 (offsets that still include padding)",
+          "correctness", checkpoint_offset_unpadded),
 )
 
 FAULTS: dict[str, Fault] = {fault.name: fault for fault in CATALOGUE}

@@ -26,9 +26,11 @@ import runpy
 import sys
 import traceback
 
-from paramfsm.testing.programs import (
-    PENALTY_WEIGHT, Backward, Drop, Flush, Forward, Gathered, Loss, Penalty, Program, Step, ZeroGrad,
+from paramfsm.testing.ops import (
+    PENALTY_WEIGHT, Backward, Checkpoint, Clip, Drop, Flush, Forward, FullState, Gathered, Loss, Overflow, Penalty,
+    Program, RequiresGrad, Step, Unscale, ZeroGrad,
 )
+from paramfsm.testing.training import SCALER
 
 INDENT = "    "
 
@@ -41,6 +43,10 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
     ``path``: a folder the script puts first on ``sys.path`` (where the factory's module was imported from).
     """
     used = sorted({type(op).__name__ for op in program.ops} | {"Config"})
+    helpers = sorted({"perturbed" for op in program.ops if isinstance(op, (FullState, Checkpoint))}
+                     | {"force_overflow" for op in program.ops if isinstance(op, Overflow)}
+                     | {"reentrant_blocks" for op in program.ops if getattr(op, "mode", "") == "reentrant"})
+    scaled = program.config.scaled
     quoted = message.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
     ranks = str(world) if world else "WORLD"
     lines = [
@@ -54,15 +60,19 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         "failed check and exits 1 while the bug is present, and exits 0 once it is fixed.",
         '"""',
         "import sys",
+        *(["from math import inf"] if "Clip" in used else []),
         "",
         "import torch",
         "from torch.utils.checkpoint import checkpoint",
         "",
         "import paramfsm",
+        *(["import paramfsm.amp"] if scaled else []),
+        *(["import paramfsm.checkpoint"] if "Checkpoint" in used else []),
         "from paramfsm.testing.checker import Checker",
         f"from paramfsm.testing.programs import {', '.join(used)}",
         "from paramfsm.testing.reproduction import run_reproduction",
         "from paramfsm.testing.subject import load_subject",
+        *([f"from paramfsm.testing.training import {', '.join(helpers)}"] if helpers else []),
         "",
         *([f"sys.path.insert(0, {path!r})  # where `paramfsm verify` imported the factory's module from"]
           if path else []),
@@ -76,9 +86,10 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         f"    config = {program.config!r}",
         f"    check = Checker(subject, config, seed={seed}, per_rank={per_rank})  # plain torch, verify's checks",
         *_shard_lines(program),
-        "    check.attach(rt)",
+        *([f"    scaler = paramfsm.amp.GradScaler(rt, {', '.join(f'{k}={v!r}' for k, v in SCALER.items())})"]
+          if scaled else []),
+        f"    check.attach(rt{', scaler' if scaled else ''})",
         "    opt = subject.optimizer(rt.shard_parameters())",
-        "    params = [p for p in model.parameters() if p.requires_grad]",
         "",
         "    def batch(i):",
         '        """This rank\'s share of global batch i (identical data on every rank)."""',
@@ -89,7 +100,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
     ]
     seen: set[int] = set()
     for index, op in enumerate(program.ops):
-        body = _render_op(op, seen)
+        body = _render_op(op, seen, program.config)
         if index == fail_at:
             mark = next((i for i in range(len(body) - 1, -1, -1)
                          if not body[i].lstrip().startswith(("del ", "check."))), len(body) - 1)
@@ -108,9 +119,10 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
 
 def _shard_lines(program: Program) -> list[str]:
     c = program.config
+    dtype = (f", param_dtype=torch.{c.param_dtype}, reduce_dtype=torch.float32" if c.param_dtype else "")
     return [f"    rt = paramfsm.shard(model, units=subject.units, retain={c.retain!r}, prefetch={c.prefetch}, "
             f"bucket_bytes={c.bucket_bytes},",
-            f"                        max_deferred_bytes={c.max_deferred_bytes}, trace=True)"]
+            f"                        max_deferred_bytes={c.max_deferred_bytes}, trace=True{dtype})"]
 
 
 def _batch_line(batch: int, seen: set[int]) -> list[str]:
@@ -120,7 +132,7 @@ def _batch_line(batch: int, seen: set[int]) -> list[str]:
     return [f"x{batch}, y{batch} = batch({batch})"]
 
 
-def _render_op(op, seen: set[int]) -> list[str]:
+def _render_op(op, seen: set[int], config) -> list[str]:
     if isinstance(op, Forward):
         call = f"model(x{op.batch})"
         pre = _batch_line(op.batch, seen)
@@ -128,32 +140,38 @@ def _render_op(op, seen: set[int]) -> list[str]:
             return pre + [f"out{op.out} = {call}"]
         if op.mode == "checkpoint":
             return pre + [f"out{op.out} = checkpoint(model, x{op.batch}, use_reentrant=False)"]
+        if op.mode == "reentrant":
+            return pre + ["with reentrant_blocks(model, check.blocks):  # each block: checkpoint(use_reentrant=True)",
+                          f"    out{op.out} = {call}"]
         if op.mode == "eval":
             return pre + ["model.eval()", f"out{op.out} = {call}", "model.train()"]
         if op.mode == "no_grad":
             return pre + ["with torch.no_grad():", f"    {call}"]
         return pre + ["model.eval()", "with torch.no_grad():", f"    {call}", "model.train()"]
     if isinstance(op, Loss):
-        expr = (f"loss_fn(out{op.out}, y{op.batch})", f"out{op.out}.float().pow(2).mean()",
+        upcast = ".float()" if config.param_dtype else ""
+        expr = (f"loss_fn(out{op.out}{upcast}, y{op.batch})", f"out{op.out}.float().pow(2).mean()",
                 f"out{op.out}.float().tanh().mean()")[op.variant]
         return [f"loss{op.loss} = {expr}"]
     if isinstance(op, Backward):
         arg = "retain_graph=True" if op.retain else ""
+        loss = f"scaler.scale(loss{op.loss})" if config.scaled else f"loss{op.loss}"
         if op.via_runtime:
-            return [f"rt.backward(loss{op.loss}{', ' + arg if arg else ''})"]
-        return [f"loss{op.loss}.backward({arg})"]
+            return [f"rt.backward({loss}{', ' + arg if arg else ''})"]
+        return [f"{loss}.backward({arg})"]
     if isinstance(op, Penalty):
         arg = "retain_graph=True" if op.retain else ""
-        return [f"grads = torch.autograd.grad(loss{op.loss}, params, create_graph=True, allow_unused=True)",
+        return ["params = [p for p in model.parameters() if p.requires_grad]",
+                f"grads = torch.autograd.grad(loss{op.loss}, params, create_graph=True, allow_unused=True)",
                 "penalty = sum(g.pow(2).sum() for g in grads if g is not None)",
                 f"(loss{op.loss} + {PENALTY_WEIGHT} * penalty).backward({arg})",
-                "del grads, penalty"]
+                "del params, grads, penalty"]
     if isinstance(op, Drop):
         return ["del " + ", ".join([f"out{op.out}"] + [f"loss{k}" for k in op.losses])]
     if isinstance(op, ZeroGrad):
         return ["opt.zero_grad()"]
     if isinstance(op, Step):
-        return ["opt.step()"]
+        return ["scaler.step(opt)", "scaler.update()"] if config.scaled else ["opt.step()"]
     if isinstance(op, Flush):
         return ["rt.flush()"]
     if isinstance(op, Gathered):
@@ -161,6 +179,27 @@ def _render_op(op, seen: set[int]) -> list[str]:
         inner = [] if op.batch is None else ["    with torch.no_grad():", f"        model(x{op.batch})"]
         pre = [] if op.batch is None else _batch_line(op.batch, seen)
         return pre + [f"with rt.gathered({target}):"] + inner + [f"    check.inside_gathered({target})"]
+    return _render_training_op(op)
+
+
+def _render_training_op(op) -> list[str]:
+    if isinstance(op, Unscale):
+        return ["scaler.unscale_(opt)"]
+    if isinstance(op, Overflow):
+        return [f"force_overflow(rt, {op.param!r}, {op.index})  # an inf in one gradient element, on its owner rank"]
+    if isinstance(op, Clip):
+        return [f"total = rt.clip_grad_norm_({op.max_norm!r}, norm_type={op.norm_type!r})",
+                "check.clipped(total)  # the total norm is plain torch's"]
+    if isinstance(op, FullState):
+        load = "perturbed(sd)" if op.perturb else "sd"
+        return ["sd = rt.full_state_dict()", "check.full_state(sd)  # the reference's state dict",
+                f"rt.load_full_state_dict({load})", "del sd"]
+    if isinstance(op, Checkpoint):
+        return ["path = check.scratch_dir()  # one folder for every rank", "paramfsm.checkpoint.save(rt, path)",
+                "check.sharded(rt.sharded_state_dict())  # each DTensor holds this rank's Shard(0) chunk",
+                "rt.load_full_state_dict(perturbed(rt.full_state_dict()))", "paramfsm.checkpoint.load(rt, path)"]
+    if isinstance(op, RequiresGrad):
+        return [f"model.get_parameter({op.param!r}).requires_grad_({op.flag})"]
     raise TypeError(f"not a program op: {op!r}")
 
 

@@ -2,7 +2,7 @@
 
 :func:`run_program` is the job a :class:`~paramfsm.launch.RankPool` runs on
 every rank. Each rank shards a fresh model from the factory, keeps an
-unsharded deep copy as the reference (:class:`~paramfsm.testing.checker.Mirror`)
+unsharded deep copy as the reference (:class:`~paramfsm.testing.mirror.Mirror`)
 and applies every op of the program to both, the reference first: an op
 plain torch cannot run rejects the program as invalid for this model
 (the outcome's kind is ``"invalid"``). The reference runs each rank's slice
@@ -23,7 +23,11 @@ After every op (see :mod:`paramfsm.testing.checks`):
   optimizer step happened since the last forward);
 - communication counts are sane: a backward that finds every parameter
   deferred issues no all-gather, reduce-scatters are bounded by the
-  parameters that require grad.
+  parameters that require grad;
+- after a scaler's step, the loss scale is plain torch's (every rank made
+  the reference's skip decision); a clip returns plain torch's total norm;
+  ``rt.full_state_dict()`` is the reference's state dict; a DCP checkpoint's
+  DTensors hold exactly this rank's ``Shard(0)`` chunk of each parameter.
 
 At the end the trace must replay through the spec, every gradient must have
 been reduced at most once per graph task, and ``rt.close()`` must restore the
@@ -43,12 +47,17 @@ import torch
 import torch.distributed as dist
 
 import paramfsm
+import paramfsm.amp
+import paramfsm.checkpoint
 from paramfsm.testing import faults
-from paramfsm.testing.checker import Checker, Failed, Rejected, agree, loss_of, penalised
-from paramfsm.testing.programs import (
-    Backward, Drop, Flush, Forward, Gathered, Loss, Penalty, Program, Step, ZeroGrad,
+from paramfsm.testing.checker import Checker, Failed, Rejected, agree
+from paramfsm.testing.mirror import loss_of, penalised
+from paramfsm.testing.ops import (
+    Backward, Checkpoint, Clip, Drop, Flush, Forward, FullState, Gathered, Loss, Overflow, Penalty, Program,
+    RequiresGrad, Step, Unscale, ZeroGrad,
 )
 from paramfsm.testing.subject import load_subject
+from paramfsm.testing.training import SCALER, compute_dtype, force_overflow, perturbed, reentrant_blocks
 
 
 @attrs.frozen(slots=True)
@@ -87,12 +96,14 @@ class Run:
         self.check = Checker(subject, program.config, seed=options.seed, per_rank=options.per_rank, group=group)
         c = program.config
         self.model = subject.model
+        dtype = compute_dtype(c)
+        self.upcast = dtype is not None
         self.rt = paramfsm.shard(self.model, group=group, units=subject.units, retain=c.retain, prefetch=c.prefetch,
                                  bucket_bytes=c.bucket_bytes, max_deferred_bytes=c.max_deferred_bytes,
-                                 trace=True)
-        self.check.attach(self.rt)
+                                 trace=True, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        self.scaler = paramfsm.amp.GradScaler(self.rt, **SCALER) if c.scaled else None
+        self.check.attach(self.rt, self.scaler)
         self.opt = subject.optimizer(self.rt.shard_parameters())
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.outs: dict = {}
         self.losses: dict = {}
 
@@ -109,23 +120,29 @@ class Run:
                 self.model.train()
             elif op.mode == "checkpoint":
                 self.outs[op.out] = torch.utils.checkpoint.checkpoint(self.model, x, use_reentrant=False)
+            elif op.mode == "reentrant":
+                with reentrant_blocks(self.model, self.check.blocks):
+                    self.outs[op.out] = self.model(x)
             else:
                 self.model.train(op.mode == "train")
                 self.outs[op.out] = self.model(x)
                 self.model.train()
         elif isinstance(op, Loss):
             targets = self.check.batch(op.batch)[1][self.rank]
-            self.losses[op.loss] = loss_of(op.variant, self.outs[op.out], targets, self.subject.loss_fn)
+            self.losses[op.loss] = loss_of(op.variant, self.outs[op.out], targets, self.subject.loss_fn, self.upcast)
         elif isinstance(op, Backward):
             kwargs = {"retain_graph": True} if op.retain else {}
             loss = self.losses[op.loss]
+            if self.scaler is not None:
+                loss = self.scaler.scale(loss)
             if op.via_runtime:
                 self.rt.backward(loss, **kwargs)
             else:
                 loss.backward(**kwargs)
         elif isinstance(op, Penalty):
             kwargs = {"retain_graph": True} if op.retain else {}
-            penalised(self.losses[op.loss], self.trainable).backward(**kwargs)
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            penalised(self.losses[op.loss], trainable).backward(**kwargs)
         elif isinstance(op, Drop):
             del self.outs[op.out]
             for k in op.losses:
@@ -133,7 +150,11 @@ class Run:
         elif isinstance(op, ZeroGrad):
             self.opt.zero_grad()
         elif isinstance(op, Step):
-            self.opt.step()
+            if self.scaler is not None:
+                self.scaler.step(self.opt)
+                self.scaler.update()
+            else:
+                self.opt.step()
         elif isinstance(op, Flush):
             self.rt.flush()
         elif isinstance(op, Gathered):
@@ -143,6 +164,29 @@ class Run:
                     with torch.no_grad():
                         self.model(self._inputs(op.batch))
                 self.check.inside_gathered(*modules)
+        else:
+            self._apply_training_op(op)
+
+    def _apply_training_op(self, op) -> None:
+        rt = self.rt
+        if isinstance(op, Unscale):
+            self.scaler.unscale_(self.opt)
+        elif isinstance(op, Overflow):
+            force_overflow(rt, op.param, op.index)
+        elif isinstance(op, Clip):
+            self.check.clipped(rt.clip_grad_norm_(op.max_norm, op.norm_type))
+        elif isinstance(op, FullState):
+            state_dict = rt.full_state_dict()
+            self.check.full_state(state_dict)
+            rt.load_full_state_dict(perturbed(state_dict) if op.perturb else state_dict)
+        elif isinstance(op, Checkpoint):
+            path = self.check.scratch_dir()
+            paramfsm.checkpoint.save(rt, path)
+            self.check.sharded(rt.sharded_state_dict())
+            rt.load_full_state_dict(perturbed(rt.full_state_dict()))
+            paramfsm.checkpoint.load(rt, path)
+        elif isinstance(op, RequiresGrad):
+            self.model.get_parameter(op.param).requires_grad_(op.flag)
 
     def execute(self) -> Outcome:
         start = time.perf_counter()

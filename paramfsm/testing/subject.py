@@ -57,6 +57,9 @@ class Subject:
     (``torch.autograd.grad(..., create_graph=True)``).
     ``optimizer``: builds an element-wise optimizer from parameters.
     ``atol`` / ``rtol``: comparison tolerances (None: chosen from the parameter dtype).
+    ``blocks``: names of the modules programs may run one by one under
+    reentrant checkpointing (``checkpoint(block, x, use_reentrant=True)``);
+    None: the children of the model's first ``nn.ModuleList``; ``()``: none.
     """
 
     model: nn.Module
@@ -68,6 +71,7 @@ class Subject:
     optimizer: Callable = sgd
     atol: float | None = None
     rtol: float | None = None
+    blocks: tuple[str, ...] | None = None
 
     def tolerances(self) -> tuple[float, float]:
         dtype = next(self.model.parameters()).dtype

@@ -43,6 +43,7 @@ from hypothesis.errors import Unsatisfiable
 from paramfsm.engine.units import select_unit_modules
 from paramfsm.launch import RankFailure, RankPool
 from paramfsm.testing.faults import FAULTS
+from paramfsm.testing.mirror import blocks_of
 from paramfsm.testing.programs import Config, Program, Shape, canonical, programs
 from paramfsm.testing.reproduction import render
 from paramfsm.testing.runner import Options, Outcome, run_program
@@ -161,7 +162,11 @@ def probe(factory, seed: int = 0, per_rank: int = 2) -> Shape:
         tensor_output = isinstance(output, torch.Tensor) and first_tensor(output).is_floating_point()
     except TypeError:
         tensor_output = False
-    return Shape(modules, subject.checkpoint, tensor_output, subject.create_graph)
+    params = tuple((name, p.numel()) for name, p in subject.model.named_parameters())
+    blocks = attempt("blocks", lambda: blocks_of(subject))
+    for name in blocks:
+        attempt(f"block {name!r}", lambda: subject.model.get_submodule(name))
+    return Shape(modules, subject.checkpoint, tensor_output, subject.create_graph, params, blocks)
 
 
 class _Search:

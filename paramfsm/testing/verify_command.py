@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 DEFAULT_EXAMPLES = 20
 PROGRESS_SECONDS = 10.0
 HINTS = {"Penalty op": "Subject(create_graph=False) draws no gradient penalties",
-         "Forward op": "Subject(checkpoint=False) draws no activation checkpointing"}
+         "Forward op": "Subject(checkpoint=False) draws no activation checkpointing, Subject(blocks=()) no "
+                       "per-block reentrant checkpointing"}
 
 
 def add_parser(subparsers) -> None:

@@ -1,0 +1,195 @@
+"""The vocabulary of verify's programs: a sharding :class:`Config` and the op records a :class:`Program` runs.
+
+Ops are frozen, slotted records, so a program pickles in a few hundred bytes
+and prints (``repr``) as the constructor call a reproduction script uses.
+:mod:`paramfsm.testing.programs` draws valid sequences of them;
+:mod:`paramfsm.testing.mirror` gives each its plain-torch meaning,
+:mod:`paramfsm.testing.runner` and :mod:`paramfsm.testing.reproduction` run it
+on paramfsm.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+MODES = ("train", "no_grad", "eval", "checkpoint", "eval_no_grad", "reentrant")
+AUTO_MODES = ("train", "checkpoint", "eval")  # forwards the normaliser adds before a loss
+GRAD_MODES = frozenset({"train", "eval", "checkpoint", "reentrant"})
+LOSS_VARIANTS = 3  # 0: the subject's loss_fn, 1: mean square of the output, 2: mean tanh of the output
+PENALTY_WEIGHT = 0.1
+BATCHES = 4
+#: ``max_norm`` values a Clip op draws from: below the usual total norm, around it, and far above it
+#: (where torch's clamp at 1 must leave the gradients alone).
+CLIP_NORMS = (0.05, 1.0, 100.0)
+CLIP_NORM_TYPES = (2.0, float("inf"), 1.0)
+
+
+@attrs.frozen(slots=True)
+class Config:
+    """How the program shards the model (the arguments of ``paramfsm.shard``).
+
+    ``param_dtype``: None, ``"bfloat16"`` or ``"float16"``: gather and compute
+    in that dtype, reduce-scatter in float32 (``reduce_dtype=torch.float32``).
+    Under ``"float16"`` every backward is of ``scaler.scale(loss)`` and every
+    step is ``scaler.step(opt); scaler.update()`` with a
+    ``paramfsm.amp.GradScaler`` (see :data:`paramfsm.testing.mirror.SCALER`).
+    """
+
+    retain: str = "defer"
+    prefetch: int = 1
+    bucket_bytes: int = 1 << 20
+    max_deferred_bytes: int | None = None
+    param_dtype: str | None = None
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the program scales its losses (fp16 compute)."""
+        return self.param_dtype == "float16"
+
+
+@attrs.frozen(slots=True)
+class Forward:
+    """``out = model(x)`` in a mode: train, no_grad, eval, checkpoint (whole model), eval_no_grad or
+    reentrant (each block of the subject under ``checkpoint(..., use_reentrant=True)``).
+
+    ``out`` is -1 in the no_grad modes, whose output nothing keeps.
+    """
+
+    out: int
+    batch: int
+    mode: str
+
+
+@attrs.frozen(slots=True)
+class Loss:
+    """A scalar loss from an output (several losses may share one output and its graph)."""
+
+    loss: int
+    out: int
+    batch: int
+    variant: int
+
+
+@attrs.frozen(slots=True)
+class Backward:
+    """``loss.backward(retain_graph=...)`` or ``rt.backward(loss, retain_graph=...)`` (of ``scaler.scale(loss)``
+    when the program scales its losses)."""
+
+    loss: int
+    retain: bool
+    via_runtime: bool
+
+
+@attrs.frozen(slots=True)
+class Penalty:
+    """A gradient penalty: ``autograd.grad(create_graph=True)``, then ``(loss + w * penalty).backward()``."""
+
+    loss: int
+    retain: bool
+
+
+@attrs.frozen(slots=True)
+class Drop:
+    """``del`` an output and its losses: the graph is freed without a final backward."""
+
+    out: int
+    losses: tuple[int, ...]
+
+
+@attrs.frozen(slots=True)
+class ZeroGrad:
+    """``opt.zero_grad()``."""
+
+
+@attrs.frozen(slots=True)
+class Step:
+    """``opt.step()``, or ``scaler.step(opt); scaler.update()`` when the program scales its losses."""
+
+
+@attrs.frozen(slots=True)
+class Flush:
+    """``rt.flush()``."""
+
+
+@attrs.frozen(slots=True)
+class Gathered:
+    """``with rt.gathered(module):`` (every unit when ``module`` is None), optionally with a no_grad forward inside."""
+
+    module: str | None
+    batch: int | None
+
+
+@attrs.frozen(slots=True)
+class Unscale:
+    """``scaler.unscale_(opt)``: the shard gradients divided by the scale, ``found_inf`` agreed across ranks."""
+
+
+@attrs.frozen(slots=True)
+class Overflow:
+    """A forced fp16 overflow: an inf in element ``index`` of parameter ``param``'s gradient.
+
+    Only the rank whose shard holds that element sees it (the reference sees
+    it in its full gradient), so the scaler must agree across ranks to skip
+    the step.
+    """
+
+    param: str
+    index: int
+
+
+@attrs.frozen(slots=True)
+class Clip:
+    """``total = rt.clip_grad_norm_(max_norm, norm_type)`` (after ``scaler.unscale_`` when scaling)."""
+
+    max_norm: float
+    norm_type: float
+
+
+@attrs.frozen(slots=True)
+class FullState:
+    """``sd = rt.full_state_dict()``, then ``rt.load_full_state_dict(sd)`` (of a perturbed copy if ``perturb``)."""
+
+    perturb: bool
+
+
+@attrs.frozen(slots=True)
+class Checkpoint:
+    """A sharded DCP checkpoint: ``dcp.save(rt.sharded_state_dict())``, the parameters perturbed, then
+    ``dcp.load`` into ``rt.sharded_state_dict()`` and ``rt.load_sharded_state_dict``: back where it was."""
+
+
+@attrs.frozen(slots=True)
+class RequiresGrad:
+    """``model.get_parameter(param).requires_grad_(flag)`` between iterations (no graph alive)."""
+
+    param: str
+    flag: bool
+
+
+Op = (Forward | Loss | Backward | Penalty | Drop | ZeroGrad | Step | Flush | Gathered | Unscale | Overflow | Clip
+      | FullState | Checkpoint | RequiresGrad)
+
+
+@attrs.frozen(slots=True)
+class Program:
+    """A sharding configuration and the ops to run, in order, on every rank and on the reference."""
+
+    config: Config
+    ops: tuple
+
+
+@attrs.frozen(slots=True)
+class Shape:
+    """What the generator must know about the subject: its unit modules and what its output allows.
+
+    ``params``: ``(name, numel)`` of each distinct parameter (first name of a
+    tied one), for ops that name a parameter. ``blocks``: the modules the
+    reentrant mode checkpoints one by one (empty: no reentrant forwards).
+    """
+
+    modules: tuple[str, ...] = ()
+    checkpoint: bool = True
+    tensor_output: bool = True
+    allow_create_graph: bool = True
+    params: tuple[tuple[str, int], ...] = ()
+    blocks: tuple[str, ...] = ()

@@ -1,0 +1,132 @@
+"""Helpers verify's training-loop ops share: the runner, the plain-torch reference and saved reproductions.
+
+* :data:`SCALER`, :func:`compute_dtype` and :func:`tolerances`: what a
+  program's :class:`~paramfsm.testing.ops.Config` means for mixed precision.
+* :func:`reentrant_blocks`: per-block reentrant activation checkpointing of
+  any model, for the duration of one forward.
+* :func:`perturbed`: the state dict a round trip loads when it must change
+  something.
+* :func:`force_overflow`: a forced fp16 overflow in one element of one
+  gradient, on the one rank whose shard holds it.
+* :func:`scratch_dir`: one temporary folder for a DCP checkpoint, the same on
+  every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+#: The loss scaler of fp16 programs, in paramfsm (``paramfsm.amp.GradScaler``) and in the reference
+#: (``torch.amp.GradScaler``): a small initial scale that grows every second step, so a program of a few
+#: steps both grows and (with a forced or a real overflow) backs off.
+SCALER = {"init_scale": 1024.0, "growth_interval": 2}
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: (atol, rtol) for programs that compute in a low precision. The reference repeats paramfsm's arithmetic
+#: (see :class:`~paramfsm.testing.mirror.Mirror`) except for the order in which ranks' gradients are summed,
+#: so values agree to fp32 rounding until a difference of one ulp flips a rounding to the compute dtype; the
+#: tolerance allows a few such flips (bf16 keeps 8 significant bits, fp16 11).
+MIXED_TOLERANCES = {"bfloat16": (1e-2, 1e-2), "float16": (2e-3, 2e-3)}
+
+
+def compute_dtype(config) -> torch.dtype | None:
+    """The ``param_dtype`` a program's configuration asks for (None: compute in the parameters' dtype)."""
+    return DTYPES[config.param_dtype] if config.param_dtype else None
+
+
+def tolerances(subject, config) -> tuple[float, float]:
+    """(atol, rtol) for comparing with the reference: the subject's, loosened for low-precision compute."""
+    atol, rtol = subject.tolerances()
+    if config.param_dtype:
+        low_atol, low_rtol = MIXED_TOLERANCES[config.param_dtype]
+        atol, rtol = max(atol, low_atol), max(rtol, low_rtol)
+    return atol, rtol
+
+
+def default_blocks(model: nn.Module) -> tuple[str, ...]:
+    """The children of the model's first ``nn.ModuleList`` (a transformer's layers), or none."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module):
+            return tuple(f"{name}.{child}" if name else child for child, _ in module.named_children())
+    return ()
+
+
+class _Reentrant(nn.Module):
+    """Runs a block under ``checkpoint(block, ..., use_reentrant=True)``, calling the block itself.
+
+    The block is called as a module (not its bare ``forward``), so its hooks,
+    and paramfsm's unit hooks, run in the forward and again in the
+    recomputation inside backward, as with Hugging Face's gradient
+    checkpointing or torch's ``checkpoint_wrapper``.
+    """
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "block", block)  # not a submodule: the model's names stay unchanged
+
+    def forward(self, *args):
+        return checkpoint(self.block, *args, use_reentrant=True)
+
+
+@contextlib.contextmanager
+def reentrant_blocks(model: nn.Module, names):
+    """Within the block, each named submodule of ``model`` runs under reentrant activation checkpointing.
+
+    Each block is swapped for a wrapper in its parent for the duration of the
+    ``with`` (one forward) and put back afterwards; the recomputation in a
+    later backward still runs the block (the autograd graph keeps it).
+    """
+    swapped = []
+    try:
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            block = parent._modules[child]
+            parent._modules[child] = _Reentrant(block)
+            swapped.append((parent, child, block))
+        yield
+    finally:
+        for parent, child, block in reversed(swapped):
+            parent._modules[child] = block
+
+
+def perturbed(state_dict: dict) -> dict:
+    """A state dict whose floating-point values all differ from ``state_dict``'s (aliases stay aliases)."""
+    out, done = {}, {}
+    for key, value in state_dict.items():
+        if id(value) not in done:
+            done[id(value)] = value * 0.75 + 0.125 if value.is_floating_point() else value
+        out[key] = done[id(value)]
+    return out
+
+
+def force_overflow(rt, name: str, index: int) -> None:
+    """An inf in element ``index`` of ``name``'s flattened gradient: only the rank whose shard holds it writes it."""
+    rec = rt.record(name)
+    owner = index // rec.shard_numel
+    if rt.rank == owner:
+        if rec.shard.grad is None:
+            rec.shard.grad = torch.zeros_like(rec.shard)
+        rec.shard.grad[index - owner * rec.shard_numel] = math.inf
+
+
+def overflow_reference(param: torch.Tensor, index: int) -> None:
+    """The same forced overflow in the reference's full gradient."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    param.grad.view(-1)[index] = math.inf
+
+
+def scratch_dir(group=None) -> str:
+    """A new temporary folder made by rank 0 of ``group`` and named to every rank (collective)."""
+    name = [tempfile.mkdtemp(prefix="paramfsm-verify-dcp-") if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return name[0]
