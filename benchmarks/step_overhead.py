@@ -18,6 +18,16 @@ with activation checkpointing per block (none, non-reentrant, reentrant):
 paramfsm world 2 against its own non-checkpointed step, with collectives
 per step, and plain torch with the same checkpointing.
 
+The floor table puts each ratio next to what it cannot beat: "hooks only"
+(paramfsm's hooks registered on a plain model, emitting into a no-op: the
+cost of being told what autograd does, with no bookkeeping at all), and, for
+model (b), "compute only" (plain torch on each of the two ranks at once, no
+communication: the per-rank compute of a world-2 step) and "communication
+only" (the all-gathers and reduce-scatters of one paramfsm world-2 step,
+recorded from a real step and issued back to back with no compute). With
+perfect overlap a world-2 step costs max(compute, communication); with none,
+their sum.
+
 A second table prices the trace at world 2, in the same rounds: no trace
 (``trace=0``), the default flight recorder (a bounded ring), every transition
 in memory (``trace=True``) and every transition streamed to a file
@@ -123,6 +133,68 @@ def paramfsm_job(rank, world, name, steps, warmup, over="shards", trace=False, b
     return seconds, per_step
 
 
+def hooks_job(rank, world, name: str, steps: int, warmup: int) -> float:
+    """Plain torch with paramfsm's hooks installed, emitting into a no-op: the hooks' own cost."""
+    from paramfsm.engine import hooks
+    from paramfsm.engine.units import build_units
+
+    model = build(name)
+    units, records = build_units(model, None, 0, 1)
+    handles = hooks.install(model, units, list(records.values()), lambda event: None)
+    seconds = time_steps(model, model.parameters(), steps, warmup, MODELS[name[0]][1])
+    for handle in handles:
+        handle.remove()
+    return seconds
+
+
+def comm_job(rank, world, name: str, steps: int, warmup: int) -> tuple[float, int]:
+    """The collectives of one paramfsm step issued alone: (median seconds, collectives per step).
+
+    One step is recorded (sizes and order of every all-gather and reduce-scatter);
+    then the same collectives are issued back to back, asynchronously, and waited
+    for at the end, with fresh buffers of the same sizes and no compute at all.
+    """
+    import torch.distributed as dist
+
+    import paramfsm
+    from paramfsm.engine import executor
+
+    model = build(name)
+    rt = paramfsm.shard(model, trace=0)
+    opt = torch.optim.SGD(rt.shard_parameters(), lr=1e-3)
+    width = MODELS[name[0]][1]
+    time_steps(model, opt, 0, warmup, width)
+    issued = []
+    originals = executor.all_gather_flat, executor.reduce_scatter_flat
+
+    def recorder(kind, original):
+        def record(out, inp, group, async_op=True, **kwargs):
+            issued.append((kind, out.numel(), inp.numel(), out.dtype))
+            return original(out, inp, group, async_op, **kwargs)
+        return record
+
+    executor.all_gather_flat = recorder("ag", originals[0])
+    executor.reduce_scatter_flat = recorder("rs", originals[1])
+    try:
+        time_steps(model, opt, 0, 1, width)
+    finally:
+        executor.all_gather_flat, executor.reduce_scatter_flat = originals
+    rt.close()
+    buffers = [(kind, torch.empty(n_out, dtype=dtype), torch.ones(n_in, dtype=dtype))
+               for kind, n_out, n_in, dtype in issued]
+    collective = {"ag": originals[0], "rs": originals[1]}
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        works = [collective[kind](out, inp, None, async_op=True) for kind, out, inp in buffers]
+        for work in works:
+            work.wait()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), len(issued)
+
+
 def fsdp2_job(rank, world, name, steps, warmup):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -160,6 +232,22 @@ def print_checkpointing(rows) -> None:
               f"{per_step['all_gathers']:>9.1f}{per_step['reduce_scatters']:>9.1f}")
 
 
+def print_floor(rows, depth_width) -> None:
+    """Each ratio next to its floor: the hooks alone, and for (b) compute and communication alone."""
+    if not rows:
+        return
+    print(f"\n{'floor':<22}{'hooks only ms':>14}{'hooks/plain':>12}{'w1/plain':>10}{'w2/plain':>10}"
+          f"{'by_size/plain':>15}{'compute ms':>12}{'comm ms':>9}{'w2/compute':>12}{'w2/max(c,m)':>13}"
+          f"{'w2/(c+m)':>10}{'max(c,m)/FSDP2':>16}")
+    for name, base, hooks, w1, w2, w2s, f2, compute, comm in rows:
+        line = (f"({name}) {depth_width[name]:<18}{hooks * 1e3:>14.2f}{hooks / base:>12.2f}{w1 / base:>10.2f}"
+                f"{w2 / base:>10.2f}{w2s / base:>15.2f}")
+        if compute is not None and comm is not None:
+            line += (f"{compute * 1e3:>12.2f}{comm * 1e3:>9.2f}{w2 / compute:>12.2f}{w2 / max(compute, comm):>13.2f}"
+                     f"{w2 / (compute + comm):>10.2f}{max(compute, comm) / f2:>16.2f}")
+        print(line)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
@@ -170,12 +258,13 @@ def main(argv=None) -> int:
                         help="interleaved rounds; each figure is the best round's median (machine drift cancels)")
     args = parser.parse_args(argv)
     names = [args.only] if args.only else sorted(MODELS)
-    rows, trace_rows, ckpt_rows = [], [], []
+    rows, trace_rows, ckpt_rows, floor_rows = [], [], [], []
     with RankPool(1) as one, RankPool(2) as two:
         if "c" in names:
             ckpt_rows = checkpointing_rows(one, two, args)
         for name in (n for n in names if n != "c"):
-            best = {"plain": [], "w1": [], "w2": [], "w2m": [], "fsdp2": [], "w2s": []}
+            best = {"plain": [], "w1": [], "w2": [], "w2m": [], "fsdp2": [], "w2s": [], "hooks": [],
+                    "compute": [], "comm": []}
             traced = {mode: [] for mode in TRACE_MODES}
             for round_ in range(args.rounds):
                 print(f"model ({name}): round {round_ + 1}/{args.rounds} ...", file=sys.stderr, flush=True)
@@ -187,10 +276,18 @@ def main(argv=None) -> int:
                 best["w2s"].append(two.run(paramfsm_job, name, args.steps, args.warmup, "shards", False,
                                            BY_SIZE)[0][0])
                 best["fsdp2"].append(two.run(fsdp2_job, name, args.steps, args.warmup)[0][0])
+                best["hooks"].append(one.run(hooks_job, name, args.steps, args.warmup)[0])
+                if name == "b":
+                    best["compute"].append(max(two.run(plain_job, name, args.steps, args.warmup)))
+                    best["comm"].append(max(seconds for seconds, _ in
+                                            two.run(comm_job, name, args.steps, args.warmup)))
                 for mode, trace in ({} if args.skip_trace else TRACE_MODES).items():
                     traced[mode].append(two.run(paramfsm_job, name, args.steps, args.warmup, "shards", trace)[0][0])
             base, w1, w2, w2m, f2, w2s = (min(best[k]) for k in ("plain", "w1", "w2", "w2m", "fsdp2", "w2s"))
             rows.append((name, base, w1, w2, f2, per_step["all_gathers"], per_step["reduce_scatters"], w2m, w2s))
+            floor_rows.append((name, base, min(best["hooks"]), w1, w2, w2s, f2,
+                               min(best["compute"]) if best["compute"] else None,
+                               min(best["comm"]) if best["comm"] else None))
             if not args.skip_trace:
                 trace_rows.append((name, *(min(traced[mode]) for mode in TRACE_MODES)))
     depth_width = {n: f"{d}xLinear({w},{w})" for n, (d, w) in MODELS.items()}
@@ -201,6 +298,7 @@ def main(argv=None) -> int:
         print(f"({name}) {depth_width[name]:<18}{base * 1e3:>10.2f}{w1 * 1e3:>12.2f}{w2 * 1e3:>12.2f}{f2 * 1e3:>13.2f}"
               f"{w1 / base:>10.2f}{w2 / base:>10.2f}{w2 / f2:>10.2f}{ag:>9.1f}{rs:>9.1f}"
               f"{w2m * 1e3:>18.2f}{w2m / w2:>10.2f}{w2s * 1e3:>15.2f}{w2s / base:>15.2f}")
+    print_floor(floor_rows, depth_width)
     print_checkpointing(ckpt_rows)
     if not trace_rows:
         return 0

@@ -111,23 +111,54 @@ class CrossCheckedStep:
     the destination, the effects and the hold count. A disagreement means
     the compiled table and the spec diverged; it raises ``AssertionError``
     naming both answers. This costs microseconds per step and is opt-in.
+    :meth:`many` does the same for each record of a batched step
+    (:func:`paramfsm.core.fsm.step_many`), so strict mode sees every transition.
     """
 
-    def __init__(self, spec: Spec, step_fn):
+    def __init__(self, spec: Spec, step_fn, step_many_fn=None):
         self._machine, self._model = build_machine(spec)
         self._step = step_fn
+        self._step_many = step_many_fn
 
-    def __call__(self, table, rec, event, ctx, keep_graph=False, retained=False):
+    def _expected(self, state: str, holds: int, event: str, keep_graph, retained):
+        """The Machine's answer: (state, effects, holds) after ``event``, or "error"."""
         model, machine = self._model, self._machine
-        src, holds = rec.state, rec.holds
-        machine.set_state(src.name, model)
+        machine.set_state(state, model)
         model.holds, model.keep_graph, model.retained = holds, bool(keep_graph), bool(retained)
         model.effects = ()
         try:
             model.trigger(event)
-            expected = (model.state, tuple(model.effects), model.holds)
         except MachineError:
-            expected = "error"
+            return "error"
+        return model.state, tuple(model.effects), model.holds
+
+    def many(self, table, records, event, ctx, keep_graph=False, retained=False):
+        """The same cross-check for :func:`paramfsm.core.fsm.step_many`, record by record.
+
+        When ``step_many`` declines (records in different situations, None), the
+        caller steps them one by one through :meth:`__call__`, checked there.
+        """
+        before = [(rec.state, rec.holds) for rec in records]
+        expected = [self._expected(state.name, holds, event, keep_graph, retained) for state, holds in before]
+        try:
+            effects = self._step_many(table, records, event, ctx, keep_graph, retained)
+        except Exception:
+            if expected[0] != "error":
+                raise AssertionError(f"strict: the compiled table raised for '{event}' in {before[0][0].name} "
+                                     f"on '{records[0].name}', the spec's Machine says {expected[0]}") from None
+            raise
+        if effects is None:
+            return None
+        for rec, (src, holds), want in zip(records, before, expected):
+            got = (rec.state.name, tuple(effects), rec.holds)
+            if got != want:
+                raise AssertionError(f"strict: '{event}' in {src.name} (holds={holds}, keep_graph={keep_graph}, "
+                                     f"retained={retained}) on '{rec.name}': compiled {got}, Machine {want}")
+        return effects
+
+    def __call__(self, table, rec, event, ctx, keep_graph=False, retained=False):
+        src, holds = rec.state, rec.holds
+        expected = self._expected(src.name, holds, event, keep_graph, retained)
         try:
             effects = self._step(table, rec, event, ctx, keep_graph, retained)
         except Exception:

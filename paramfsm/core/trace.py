@@ -17,7 +17,6 @@ This module imports neither ``torch`` nor ``cupy``.
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections import deque
 from pathlib import Path
@@ -125,7 +124,7 @@ class Trace:
         self._loaded: list[TraceRecord] = list(records)
         self._done: list[TraceRecord] = []  # materialised raw entries (unbounded mode)
         self._raw: deque | list = deque(maxlen=limit) if limit is not None else []
-        self._next_seq = itertools.count().__next__
+        self._seq = 0  # the seq of the next transition appended
         self._seen = 0  # transitions appended so far (the next seq)
         self._out = None
         self._push = self._raw.append
@@ -145,8 +144,18 @@ class Trace:
 
     def append(self, t_ns, ctx, rec, event, src, dst, effects, keep_graph, retained, holds) -> None:
         """Called by :func:`paramfsm.core.fsm.step` for each transition while tracing is on."""
-        self._push((self._next_seq(), t_ns, ctx.step, ctx.graph_task, rec, event, src, dst, effects,
-                    keep_graph, retained, holds))
+        seq = self._seq
+        self._seq = seq + 1
+        self._push((seq, t_ns, ctx.step, ctx.graph_task, rec, event, src, dst, effects, keep_graph, retained, holds))
+
+    def append_many(self, t_ns, ctx, records, event, src, dst, effects, keep_graph, retained) -> None:
+        """:meth:`append` for each of ``records`` (one transition each, their holders read before it),
+        called by :func:`paramfsm.core.fsm.step_many` before it moves them."""
+        push, seq, step, task = self._push, self._seq, ctx.step, ctx.graph_task
+        for rec in records:
+            push((seq, t_ns, step, task, rec, event, src, dst, effects, keep_graph, retained, rec.holds))
+            seq += 1
+        self._seq = seq
 
     def _stream_push(self, entry) -> None:
         raw = self._raw

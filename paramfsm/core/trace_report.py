@@ -18,6 +18,18 @@ trace is counted under ``open`` and left out of the totals; the time it was
 open is unknown too. Ending in NOT_AVAILABLE, the resting state, is not an
 open span.
 
+[Note: gather waits]
+How long compute waited for communication, from the records alone: a
+holder's ``fetch`` that finds a parameter NOT_AVAILABLE or INFLIGHT waits
+until that parameter's next ``arrive``; one that finds it AVAILABLE with no
+holder (a prefetch that already arrived) or DEFERRED_RELEASE waits for
+nothing. The parameters of a unit are fetched together (same rank, unit and
+timestamp), so a unit's fetch waits as long as its slowest parameter. A
+well-overlapped run has most fetches ready and short waits; fetches of the
+first unit of a pass, which nothing prefetched, always wait. The wait
+includes issuing the gather when nothing prefetched it and, on the CPU,
+unpacking it.
+
 This module imports neither ``torch`` nor ``cupy``.
 """
 
@@ -67,6 +79,16 @@ class Leak:
 
 
 @attrs.frozen(slots=True)
+class GatherWait:
+    """The holder fetches of one unit and how long they waited for their gather (see [Note: gather waits])."""
+
+    fetches: int = 0  # holder fetches of the unit (each counted once for the unit)
+    waited: int = 0  # of which found the unit not gathered yet
+    total_ns: int = 0  # summed waits
+    max_ns: int = 0  # longest wait
+
+
+@attrs.frozen(slots=True)
 class Summary:
     """What ``paramfsm trace summary`` prints; see :func:`summarize`."""
 
@@ -80,6 +102,7 @@ class Summary:
     deferred: DeferredWindows
     graph_tasks: Mapping[int, int]  # graph task id -> records; -1 means outside any backward
     leaks: tuple[Leak, ...]
+    gather_waits: Mapping[str, GatherWait] = attrs.field(factory=dict)  # unit -> its fetches' waits
 
     def format(self) -> str:
         """A plain-text report: a table of time per state, then gathers, deferred windows, leaks."""
@@ -99,6 +122,7 @@ class Summary:
             f"deferred windows: {d.count} ({d.open} open), total {_ms(d.total_ns)} ms, "
             f"longest {_ms(d.max_ns)} ms, at most {_bytes(d.max_concurrent_bytes)} deferred at once on a rank",
             _per_task(self.graph_tasks),
+            *_waits(self.gather_waits),
         ]
         if not self.leaks:
             lines.append("leaks: none (every parameter ends NOT_AVAILABLE)")
@@ -126,6 +150,55 @@ def _per_task(graph_tasks: Mapping[int, int]) -> str:
         parts.append(f"{len(tasks)} graph tasks ({min(tasks)}..{max(tasks)}), records per task min {counts[0]}, "
                      f"median {counts[len(counts) // 2]}, max {counts[-1]}")
     return "records per graph task: " + (", ".join(parts) or "none")
+
+
+#: Units listed by their total gather wait (the longest first).
+WAITS_LISTED = 5
+
+
+def _waits(waits: Mapping[str, GatherWait]) -> list[str]:
+    """The gather-wait lines: the whole run, then the units that waited longest."""
+    fetches = sum(w.fetches for w in waits.values())
+    if not fetches:
+        return ["gather waits: no holder fetches"]
+    waited = sum(w.waited for w in waits.values())
+    total = sum(w.total_ns for w in waits.values())
+    lines = [f"gather waits: {waited} of {fetches} unit fetches waited for their gather, total {_ms(total)} ms, "
+             f"mean {total / fetches / 1e3:.1f} us per fetch ({fetches - waited} found it ready)"]
+    worst = sorted(waits.items(), key=lambda item: -item[1].total_ns)[:WAITS_LISTED]
+    lines += [f"  unit '{unit}': {w.waited}/{w.fetches} waited, total {_ms(w.total_ns)} ms, longest "
+              f"{_ms(w.max_ns)} ms" for unit, w in worst if w.waited]
+    return lines
+
+
+def gather_waits(records: Iterable[TraceRecord]) -> dict[str, GatherWait]:
+    """Per unit, its holder fetches and how long each waited for its gather (see [Note: gather waits])."""
+    fetches: dict[tuple, int] = {}  # (rank, unit, fetch t_ns) -> wait (-1: still waiting at the end)
+    waiting: dict[tuple[int, str], tuple] = {}  # (rank, param) -> key of its fetch waiting for arrive
+    for r in records:
+        if r.event == "fetch":
+            key = (r.rank, r.unit, r.t_ns)
+            if r.src in _NOT_GATHERED:
+                fetches[key] = max(fetches.get(key, 0), 0)
+                waiting[(r.rank, r.param)] = key
+            elif r.holds == 0:
+                fetches.setdefault(key, 0)
+        elif r.event == "arrive":
+            key = waiting.pop((r.rank, r.param), None)
+            if key is not None:
+                fetches[key] = max(fetches[key], r.t_ns - key[2], 1)
+    out: dict[str, list[int]] = {}
+    for (_, unit, _), wait in fetches.items():
+        counts = out.setdefault(unit, [0, 0, 0, 0])
+        counts[0] += 1
+        if wait > 0:
+            counts[1] += 1
+            counts[2] += wait
+            counts[3] = max(counts[3], wait)
+    return {unit: GatherWait(*counts) for unit, counts in out.items()}
+
+
+_NOT_GATHERED = (State.NOT_AVAILABLE.name, State.INFLIGHT.name)
 
 
 def summarize(records: Iterable[TraceRecord], leak_tail: int = LEAK_TAIL) -> Summary:
@@ -172,6 +245,7 @@ def summarize(records: Iterable[TraceRecord], leak_tail: int = LEAK_TAIL) -> Sum
         ),
         graph_tasks=dict(sorted(Counter(r.graph_task for r in records).items())),
         leaks=tuple(sorted(leaks, key=lambda leak: (leak.rank, leak.param))),
+        gather_waits=gather_waits(records),
     )
 
 

@@ -34,6 +34,16 @@ counted per graph task (``recomputing``) and released when it ends, like
 ``open``. A recomputation that finds a unit deferred uses the copy kept for
 this backward, so its release defers the unit again (``redefer``).
 
+[Note: what a recomputation defers]
+Released inside a backward that keeps its graph, a parameter is deferred for
+the next backward over that graph, which must then still be alive. Under
+reentrant checkpointing the unit's backward runs in a nested task over the
+recomputed graph, which that task frees, while the outer graph only keeps the
+checkpoint's inputs (the next backward recomputes again). So a
+recomputation's hold is released deferred only when the task that ran the
+unit's backward keeps its graph as well, and a hold left at the end of a
+task only when the unit still has a live graph.
+
 [Note: reduce-scatters finish with the outermost backward]
 A nested graph task (the backward that reentrant checkpointing runs inside
 the outer one) does not complete the reduce-scatters: its gradients join the
@@ -62,10 +72,10 @@ class BackwardHandlers:
         planned = ts.depth == 0 and self.planning
         self.fetch(unit, self.bwd_plan if planned else None, ts.passes if planned else None)
         holds = ts.grad_holds
-        for rec in unit.records:
-            if rec.requires_grad and rec not in holds:
-                holds[rec] = None
-                self._step(rec, "fetch")
+        waiting = [rec for rec in unit.records if rec.requires_grad and rec not in holds]
+        for rec in waiting:
+            holds[rec] = None
+        self._step_all(waiting, "fetch")
 
     def _on_post_backward(self, ev: Event) -> None:
         ts = self._begin_task(ev.graph_task, ev.keep_graph)
@@ -75,8 +85,10 @@ class BackwardHandlers:
             self.release(unit, ts.keep_graph)
         for owner in self.tasks.values():  # the recomputation's holds end with the unit's backward
             count = owner.recomputing.pop(unit, 0)
+            # Deferred only when this backward keeps its graph too: see [Note: what a recomputation defers].
+            keep = (owner.keep_graph and ts.keep_graph) or unit in owner.redefer
             for _ in range(count):
-                self.release(unit, owner.keep_graph or unit in owner.redefer)
+                self.release(unit, keep)
 
     def _recompute(self, ev: Event) -> None:
         """A unit's forward re-run inside backward (activation checkpointing)."""
@@ -102,7 +114,8 @@ class BackwardHandlers:
         for held in (ts.open, ts.recomputing):
             for unit, count in reversed(list(held.items())):
                 for _ in range(count):
-                    self.release(unit, ts.keep_graph or (held is ts.recomputing and unit in ts.redefer))
+                    keep = ts.keep_graph and (held is ts.open or unit.live_graphs > 0)
+                    self.release(unit, keep or (held is ts.recomputing and unit in ts.redefer))
         defer = ts.keep_graph and self.defer_allowed
         for rec in ts.grad_holds:
             self._step(rec, "release", defer)

@@ -25,7 +25,7 @@ its own.
 graph task) into the pending reduce bucket and clears it, so the full gradient
 never outlives the hook. Buckets are reduce-scattered asynchronously once they
 pass ``bucket_bytes``, with at most ``MAX_REDUCES_IN_FLIGHT`` in flight (the
-oldest is completed when another is issued); ``finish_reduces`` (end of
+oldest is completed before another is issued); ``finish_reduces`` (end of
 backward) completes the rest. Completing one adds ``1/world`` of each summed
 shard into ``shard.grad``, so shard gradients accumulate across backward
 passes until the user zeroes them. The packing and the collective run on the
@@ -41,12 +41,22 @@ import torch
 
 from paramfsm.engine import kernels, placeholder, rankcheck
 from paramfsm.engine.collectives import DEFAULT_TIMEOUT_S, all_gather_flat, reduce_scatter_flat, waiter
+from paramfsm.engine.inflight import Counters, Gather
 from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.engine.streams import GATHER, REDUCE, HostStreams
 from paramfsm.errors import CollectiveTimeout
 
+# [Note: a big gradient is reduced in place]
+# A gradient of at least ``bucket_bytes`` is reduce-scattered at once in a bucket
+# of its own; smaller ones keep filling the pending bucket. A lone gradient whose
+# size divides by the world is already laid out [rank][shard] (see
+# paramfsm.engine.kernels.layout), so it is the collective's input as it is: no
+# packed copy. It is ours alone (``take_grad`` cleared ``param.grad``; autograd
+# steals a buffer only when nothing else holds it), so it may be divided in
+# place; one that is part of a graph (``create_graph=True``) is copied first.
+
 #: Reduce-scatters issued and not yet waited on, at most (each holds a full-size gradient bucket).
-MAX_REDUCES_IN_FLIGHT = 2
+MAX_REDUCES_IN_FLIGHT = 1
 
 #: Parameters from this size on keep one full tensor for life whose storage is freed and regrown.
 PERSISTENT_BYTES = 64 * 1024
@@ -65,29 +75,6 @@ PERSISTENT_BYTES = 64 * 1024
 # keeps the parameter's own counter), so saved views stay valid. Small
 # parameters are unpacked as views of one buffer per bucket instead: one
 # allocation per bucket, and what saved views retain is bounded by the bucket.
-
-
-class Gather:
-    """One coalesced all-gather in flight: its lane ticket, work handle, receive buffer and records."""
-
-    __slots__ = ("ticket", "work", "recv", "records", "layout", "tagged")
-
-    def __init__(self, records, layout, tagged: bool = False):
-        self.records, self.layout = records, layout
-        self.ticket = self.work = self.recv = None
-        self.tagged = tagged  # the bucket ends with the rank-order tag (see paramfsm.engine.rankcheck)
-
-
-class Counters:
-    """Communication counts, for tests (communication is part of correctness) and benchmarks."""
-
-    __slots__ = ("all_gathers", "gathered_bytes", "reduce_scatters", "reduced_bytes")
-
-    def __init__(self):
-        self.all_gathers = self.gathered_bytes = self.reduce_scatters = self.reduced_bytes = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in self.__slots__}
 
 
 class Executor:
@@ -288,21 +275,28 @@ class Executor:
         if grad is None:
             return
         set_real_grad(rec.param, None)
-        if grad.requires_grad:
-            grad = grad.detach()
+        owned = not grad.requires_grad
+        grad = grad if owned else grad.detach()
         if self.local:
             self._accumulate(rec, grad.reshape(-1))
             return
+        size = grad.numel() * grad.element_size()
+        if size >= self.bucket_bytes:  # a bucket of its own: see [Note: a big gradient is reduced in place]
+            self._reduce([(rec, grad if owned else grad.clone())])
+            return
         self._grads.append((rec, grad))
-        self._grad_bytes += grad.numel() * grad.element_size()
+        self._grad_bytes += size
         if self._grad_bytes >= self.bucket_bytes:
             self.flush_grads()
 
     def flush_grads(self) -> None:
         """Issue one async reduce-scatter for every pending gradient."""
-        if not self._grads:
-            return
-        pending, self._grads, self._grad_bytes = self._grads, [], 0
+        if self._grads:
+            pending, self._grads, self._grad_bytes = self._grads, [], 0
+            self._reduce(pending)
+
+    def _reduce(self, pending) -> None:
+        """Issue one async reduce-scatter for ``pending`` (record, gradient) pairs."""
         records = [rec for rec, _ in pending]
         grads = [g for _, g in pending]
         dtype = self.reduce_dtype or grads[0].dtype
@@ -315,14 +309,14 @@ class Executor:
             rankcheck.check_header((self.counters.reduce_scatters, step, unit, layout.total),
                                    self.rank, self.world, self.group, self.unit_names, "reduce-scatter",
                                    self.timed_wait("rank-check header", records))
+        # An issued reduce-scatter holds its full-size input until it is waited on: bound how many
+        # are in flight (the oldest completes before another is issued) so gradient memory stays bounded.
+        while len(self._reduces) >= MAX_REDUCES_IN_FLIGHT:
+            self._complete(self._reduces.pop(0))
         ticket = self.streams.launch(REDUCE, self._issue_reduce, layout, dtype, grads)
         self._reduces.append((ticket, records, layout))
         self.counters.reduce_scatters += 1
         self.counters.reduced_bytes += layout.total * self.world * dtype.itemsize
-        # An issued reduce-scatter holds its full-size input until it is waited on:
-        # bound how many are in flight so gradient memory stays bounded too.
-        while len(self._reduces) > MAX_REDUCES_IN_FLIGHT:
-            self._complete(self._reduces.pop(0))
 
     def finish_reduces(self) -> None:
         """Flush the last bucket, wait for every reduce-scatter, accumulate into shard grads."""
@@ -337,8 +331,13 @@ class Executor:
         Returns ``(out, work)``; on a device the lane waits for the collective
         itself, so ``work`` is None.
         """
-        inp = torch.empty(layout.total * self.world, dtype=dtype, device=grads[0].device)
-        kernels.pack_grads(grads, layout.shard_numels, self.world, inp)
+        first = grads[0]
+        if (len(grads) == 1 and first.dtype == dtype and first.is_contiguous()
+                and first.numel() == layout.total * self.world):
+            inp = first.view(-1)  # already in [rank][shard] order: see [Note: a big gradient is reduced in place]
+        else:
+            inp = torch.empty(layout.total * self.world, dtype=dtype, device=first.device)
+            kernels.pack_grads(grads, layout.shard_numels, self.world, inp)
         inp.div_(self.world * self.replicas)
         out = torch.empty(layout.total, dtype=dtype, device=inp.device)
         work = reduce_scatter_flat(out, inp, self.group, async_op=True, replicate_group=self.replicate_group)

@@ -29,6 +29,16 @@ there. Parameters that still wait for their ``AccumulateGrad`` keep a
 gradient hold (see the scheduler), so this release never frees a parameter
 autograd still needs. A unit none of whose inputs require grad (the first
 layer) is released by the scheduler at the end of the graph task.
+
+[Note: a unit is released before the unit below it is fetched]
+In a chain of units, unit k's output is unit k+1's input, so the node that
+produced it carries both unit k's ``PRE_BACKWARD`` and, when its gradient is
+complete, unit k+1's ``POST_BACKWARD``. The latter is a hook on the tensor,
+not on the node: autograd runs a node's tensor hooks before its node
+pre-hooks, so unit k+1 is released before unit k is fetched, and the two
+units' full parameters are never live at once for that moment (as with
+FSDP2's post-backward node). The gradient of the tensor is complete either
+way, so the order is the only difference.
 """
 
 from __future__ import annotations
@@ -68,23 +78,25 @@ def _on_output_grad(call: ForwardCall, grad_outputs):
     return None
 
 
-def _on_input_grad(emit, unit, grad_outputs):
+def _on_input_grad(emit, unit, grad):
     emit(Event(POST_BACKWARD, unit, gt.backward_task(), gt.keeps_graph()))
     if torch.is_grad_enabled():
-        return higher_order.enter(emit, (unit,), grad_outputs)
+        routed = higher_order.enter(emit, (unit,), (grad,))
+        return routed[0] if routed else None
     return None
 
 
 def _route_inputs(emit, unit, tensors: list):
     """Arrange one POST_BACKWARD per call; return replacement tensors (or None to keep the inputs).
 
-    One non-leaf input: a pre-hook on the node that produced it fires once
-    its gradient is complete, i.e. after this unit's backward (cheap, no
-    extra node). Several inputs, or leaf inputs: route them through
-    :class:`_PostBackward`, whose single node fires after all of them.
+    One non-leaf input: a hook on that tensor fires once its gradient is
+    complete, i.e. after this unit's backward (cheap, no extra node); see
+    [Note: a unit is released before the unit below it is fetched]. Several
+    inputs, or leaf inputs: route them through :class:`_PostBackward`, whose
+    single node fires after all of them.
     """
     if len(tensors) == 1 and tensors[0].grad_fn is not None:
-        tensors[0].grad_fn.register_prehook(partial(_on_input_grad, emit, unit))
+        tensors[0].register_hook(partial(_on_input_grad, emit, unit))
         return None
     return _PostBackward.apply(emit, unit, *tensors)
 

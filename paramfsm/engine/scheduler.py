@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from paramfsm.core.fsm import StepContext, step
+from paramfsm.core.fsm import StepContext, step, step_many
 from paramfsm.core.machine import CrossCheckedStep
 from paramfsm.core.spec import State
 from paramfsm.engine import graph_task as gt
@@ -49,7 +49,9 @@ class Scheduler(BackwardHandlers):
         self.prefetch = prefetch
         self.max_deferred_bytes = max_deferred_bytes
         self.strict = strict
-        self._stepper = CrossCheckedStep(table.spec, step) if strict else step
+        checked = CrossCheckedStep(table.spec, step, step_many) if strict else None
+        self._stepper = checked if strict else step
+        self._stepper_many = checked.many if strict else step_many
         self.deferred: dict = {}  # record -> None, oldest first
         self.deferred_bytes = 0
         self.peak_deferred_bytes = 0
@@ -128,14 +130,27 @@ class Scheduler(BackwardHandlers):
             for effect in effects:
                 run[effect](rec)
 
-    def _step_all(self, records, event: str, keep_graph: bool = False) -> None:
-        """``_step`` for every record of a unit, with the lookups hoisted out of the loop."""
-        table, ctx, run, stepper = self.table, self.ctx, self._effects, self._stepper
-        for rec in records:
-            effects = stepper(table, rec, event, ctx, keep_graph)
-            if effects:
-                for effect in effects:
-                    run[effect](rec)
+    def _step_all(self, records, event: str, keep_graph: bool = False, retained: bool = False) -> None:
+        """``_step`` for every record of a unit: one table lookup when they share their situation
+        (see [Note: one lookup for a unit] in paramfsm.core.fsm), else one record at a time.
+
+        Every record moves before the effects run, each effect for every record in turn.
+        """
+        if not records:
+            return
+        effects = self._stepper_many(self.table, records, event, self.ctx, keep_graph, retained)
+        if effects is None:
+            for rec in records:
+                self._step(rec, event, keep_graph, retained)
+        elif effects:
+            run = self._effects
+            for effect in effects:
+                if effect == "start_gather":
+                    self._gather_batch.extend(records)
+                    continue
+                apply = run[effect]
+                for rec in records:
+                    apply(rec)
 
     def _issue(self) -> None:
         """Issue one all-gather for every record that asked for start_gather in this decision."""
@@ -151,9 +166,12 @@ class Scheduler(BackwardHandlers):
             if rec.state is State.INFLIGHT:
                 gather = rec.pending
                 self.executor.wait_gather(gather)
-                for member in gather.records:
-                    if member.state is State.INFLIGHT and member.pending is gather:
-                        self._step(member, "arrive")
+                members = gather.records
+                for member in members:
+                    if member.state is not State.INFLIGHT or member.pending is not gather:
+                        members = [m for m in members if m.state is State.INFLIGHT and m.pending is gather]
+                        break
+                self._step_all(members, "arrive")
 
     def fetch(self, unit, plan: Plan | None, passes: PassState | None) -> None:
         """Fetch ``unit`` for a holder: gather it (with its bucket) if needed, wait, prefetch ahead.
