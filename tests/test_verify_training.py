@@ -154,10 +154,9 @@ def test_verify_kills_a_training_fault_at_world_3(ranks3):
     assert report.failure is not None and report.failure.kind in ("reference", "scaler"), report
 
 
-@pytest.mark.xfail(strict=True, reason="engine gap: a retained backward through reentrant-checkpointed blocks "
-                                       "defers their parameters with no live retained graph (see [Note: no "
-                                       "retained graph through reentrant blocks] in paramfsm/testing/programs.py)")
 def test_a_retained_backward_through_reentrant_blocks(ranks2):
+    """Once found by verify: a retained backward through reentrant blocks deferred their parameters
+    with no live graph (see [Note: what a recomputation defers] in paramfsm.engine.backward)."""
     ops = (Forward(0, 0, "reentrant"), Loss(0, 0, 0, 1), Backward(0, True, False), Backward(0, False, False),
            Drop(0, (0,)))
     _passes(_outcomes(ranks2, "branchy_lm", Program(Config(), ops)))

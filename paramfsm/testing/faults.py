@@ -144,8 +144,8 @@ def _no_grad_forward_left_gathered():
 
 def _grads_summed_not_averaged():
     def make(original):
-        def reduce_scatter_flat(out, inp, group, async_op=True):
-            return original(out, inp.mul_(dist.get_world_size(group)), group, async_op)
+        def reduce_scatter_flat(out, inp, group, async_op=True, **kwargs):
+            return original(out, inp.mul_(dist.get_world_size(group)), group, async_op, **kwargs)
         return reduce_scatter_flat
     return _patched(executor, "reduce_scatter_flat", make)
 

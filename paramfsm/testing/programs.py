@@ -52,14 +52,6 @@ class _Output:
     reentrant: bool = False  # its blocks ran under reentrant checkpointing (no autograd.grad through it)
 
 
-# [Note: no retained graph through reentrant blocks]
-# A backward with retain_graph=True through blocks under reentrant checkpointing leaves the blocks'
-# parameters DEFERRED_RELEASE with no live retained graph on their units (the recomputation's graph is
-# the nested backward's, already gone), which breaks the spec's retained_graph_live invariant and is
-# never flushed if the graph is then dropped. Until the engine ties the deferral to the outer graph,
-# programs do not retain graphs of reentrant forwards; tests/test_verify.py keeps the case as a
-# strict xfail so that the restriction is lifted when the engine is fixed.
-
 KINDS = ("backward", "forward", "loss", "zero_grad", "step", "iteration", "drop", "flush",
          "gathered", "penalty", "multi_loss", "accumulate", "backward", "forward", "multi_loss",
          "clip", "state_dict", "requires_grad", "overflow", "unscale")
@@ -119,7 +111,6 @@ class _Normaliser:
         return out, self.loss(out, b)
 
     def backward(self, out: _Output, loss: int, retain: bool, via_runtime: bool) -> None:
-        retain = retain and not out.reentrant  # see [Note: no retained graph through reentrant blocks]
         self.ops.append(Backward(loss, retain, via_runtime))
         self.has_grads = True
         if not retain:
