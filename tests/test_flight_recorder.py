@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from test_failures import Flaky
 from torch.utils.checkpoint import checkpoint
 
 import paramfsm
 from paramfsm import CollectiveTimeout, IllegalTransition, RankDesync
 from paramfsm.cli import main as cli
-from paramfsm.core.trace import SNAPSHOT, Trace, replay
+from paramfsm.core.trace import Trace, replay
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine.events import POST_FORWARD, Event
 from paramfsm.launch import RankPool
@@ -55,47 +55,21 @@ def ring_memory_job(rank, world, trace, steps):
     records = rt.trace.records
     problem = replay(records, rt.table)
     rt.close()
-    return held, len(rt.trace), records[0].event, str(problem) if problem else None
+    return held, len(rt.trace), records[0].seq, str(problem) if problem else None
 
 
 def test_the_recorder_memory_is_flat_over_2000_steps(ranks1):
-    held, kept, first, problem = ranks1.run(ring_memory_job, 256, 2000)[0]
-    assert kept == 256 and problem is None, problem
-    assert first == SNAPSHOT, "a ring that dropped records must open with a snapshot"
+    held, kept, first_seq, problem = ranks1.run(ring_memory_job, 256, 2000)[0]
+    assert kept == 256 and first_seq > 0 and problem is None, problem
     assert max(held) - min(held) < 1024, f"the ring's memory changed over the run: {held}"
     full, *_ = ranks1.run(ring_memory_job, True, 200)[0]
     assert full[3] > 3 * full[0] > 3 * max(held), f"the measure cannot see a growing trace: {full}"
 
 
-def _check_dump(path) -> tuple[int, str]:
-    """``paramfsm trace check PATH --allow-open``: its exit status and the file's first event."""
+def _check_dump(path) -> tuple[int, int]:
+    """``paramfsm trace check PATH --allow-open``: its exit status, and the seq of the file's first record."""
     records = Trace.load(path).records
-    return cli(["trace", "check", str(path), "--allow-open"]), records[0].event if records else ""
-
-
-class Flaky(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-        self.fail = None
-
-    def forward(self, x):
-        x = torch.tanh(self.a(x))
-        if self.fail == "forward":
-            raise RuntimeError("failure inside forward")
-        if self.fail == "backward":
-            x = _FailInBackward.apply(x)
-        return self.b(x)
-
-
-class _FailInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("failure inside backward")
+    return cli(["trace", "check", str(path), "--allow-open"]), records[0].seq if records else -1
 
 
 def dump_triggers_job(rank, world, out_dir):
@@ -104,7 +78,7 @@ def dump_triggers_job(rank, world, out_dir):
     torch.manual_seed(0)
     model = Flaky()
     rt = paramfsm.shard(model, trace=64)  # a small ring: the dumps start mid-run, with a snapshot
-    x = torch.randn(2, 8)
+    x = torch.randn(2, 4)
     for _ in range(3):
         model(x).sum().backward()
         # Checkpointing stops a recomputation of the root by raising inside it: not a failure, no dump.
@@ -144,10 +118,10 @@ def test_a_dump_appears_on_each_trigger(ranks2, tmp_path):
         note = found.pop("note")
         assert found.pop("files") == 4, found
         assert set(found) == {"forward-exception", "interrupted", "illegal-transition", "leak"}, found
-        for name, status, first in found.values():
+        for name, status, first_seq in found.values():
             assert name.startswith(f"paramfsm-trace-rank{rank}-step"), name
-            assert status == 0, f"{name} does not replay"
-            assert first == SNAPSHOT, f"{name} starts mid-run without a snapshot"
+            assert first_seq > 0, f"{name} should be a window of the run (a 64-record ring)"
+            assert status == 0, f"{name} does not replay from its first record"
         assert found["illegal-transition"][0] in note and "--allow-open" in note, note
 
 
