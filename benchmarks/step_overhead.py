@@ -291,6 +291,9 @@ def main(argv=None) -> int:
             if not args.skip_trace:
                 trace_rows.append((name, *(min(traced[mode]) for mode in TRACE_MODES)))
     depth_width = {n: f"{d}xLinear({w},{w})" for n, (d, w) in MODELS.items()}
+    if not rows:  # --only c
+        print_checkpointing(ckpt_rows)
+        return 0
     print(f"{'model':<22}{'plain ms':>10}{'pfsm w1 ms':>12}{'pfsm w2 ms':>12}{'FSDP2 w2 ms':>13}"
           f"{'w1/plain':>10}{'w2/plain':>10}{'w2/FSDP2':>10}{'AG/step':>9}{'RS/step':>9}"
           f"{'w2 opt(model) ms':>18}{'vs shards':>10}{'w2 by_size ms':>15}{'by_size/plain':>15}")
