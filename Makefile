@@ -30,6 +30,7 @@ bench: install
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/optimizer_mapping.py
 	$(PY) benchmarks/gather_scatter.py --device cpu
+	$(PY) benchmarks/scale_sim.py --estimate
 
 lint: install
 	$(PY) -m compileall -q paramfsm tests benchmarks
