@@ -119,9 +119,9 @@ class Runtime:
         self._by_id = by_id
         self._by_name = {name: rec for rec in by_id.values() for name in rec.names}
         self._index = {id(rec): i for i, rec in enumerate(by_id.values())}  # numbers full-tensor collectives
-        # Always a Trace (empty with trace=0), so rt.trace.records / dump work either way; only
-        # a recording runtime hands it to the FSM, so trace=0 pays nothing per step.
-        self.trace = make_trace(trace, trace_rank, self.table.digest, list(by_id.values()))
+        # Always a Trace (rt.trace works with trace=0); only a recording one reaches the FSM.
+        coord = (dist.get_rank(replicate_group), self.rank) if mesh is not None else ()
+        self.trace = make_trace(trace, trace_rank, self.table.digest, list(by_id.values()), coord)
         recording = self.trace.limit != 0
         self.executor = Executor(self.group, self.rank, self.world, param_dtype=param_dtype,
                                  reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,

@@ -64,7 +64,7 @@ def hybrid_job(rank, world, shape, retain, save_to=None):
     on_rank0 = pair.rt.full_state_dict(rank0_only=True)
     assert bool(on_rank0) == (rank == 0), "rank0_only keeps the full tensors on global rank 0 alone"
     report = pair.finish()
-    return params, report["counters"], sorted({r.rank for r in pair.rt.trace.records})
+    return params, report["counters"], sorted({(r.rank, r.coord) for r in pair.rt.trace.records})
 
 
 def load_job(rank, world, shape, path):
@@ -88,7 +88,7 @@ def trained_2x2(ranks4, tmp_path_factory):
 def test_hybrid_2x2_matches_plain_torch(ranks4, trained_2x2, retain):
     results = trained_2x2[1] if retain == "defer" else ranks4.run(hybrid_job, (2, 2), retain)
     for rank, (params, counters, trace_ranks) in enumerate(results):
-        assert trace_ranks == [rank], "traces and dumps carry the global rank"
+        assert trace_ranks == [(rank, divmod(rank, 2))], "records carry the global rank and (replica, shard)"
         assert counters["reduce_scatters"] > 0
         for name, value in params.items():
             assert torch.equal(value, results[0][0][name]), f"replica of rank {rank} differs on {name}"

@@ -112,3 +112,22 @@ def test_dumps_of_two_ranks_replay_and_diff_from_their_common_window(tmp_path, c
     c = _ring(1, 50, limit=30, diverge_at=45).dump(tmp_path / "r1-diverged.jsonl")
     status, _, err = run(capsys, "trace", "diff", str(a), str(c))
     assert status == 1 and "step" in err and "45" in err, err
+
+
+def test_mesh_coordinates_survive_every_way_of_keeping_a_trace(tmp_path):
+    """Under hybrid sharding each record names (replica, shard rank); JSON Lines written by a stream,
+    a ring dump and a full dump read back the same records, and traces without a mesh omit the field."""
+    table = default_table()
+    runs = {}
+    for name, kwargs in {"stream": {"path": tmp_path / "s.jsonl"}, "ring": {"limit": 100}, "full": {}}.items():
+        trace = Trace(3, digest=table.digest, coord=(1, 1), **kwargs)
+        ctx, rec = StepContext(3, trace), Lifetime("w", "u", 64)
+        for event in ("fetch", "arrive", "release"):
+            step(table, rec, event, ctx)
+        trace.close()
+        loaded = Trace.load(trace.path if name == "stream" else trace.dump(tmp_path / f"{name}.jsonl")).records
+        runs[name] = [attrs.evolve(r, t_ns=0) for r in loaded]  # each run has its own clock
+    assert runs["stream"] == runs["ring"] == runs["full"] and len(runs["full"]) == 3
+    assert all(r.coord == (1, 1) for r in runs["full"])
+    plain = scenario_trace().records[0]
+    assert "coord" not in plain.to_json() and plain.coord == ()

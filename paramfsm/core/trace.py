@@ -28,7 +28,7 @@ from paramfsm.core.perfetto import write_perfetto
 from paramfsm.core.spec import State
 
 FIELDS = ("seq", "t_ns", "rank", "step", "graph_task", "param", "unit", "event", "src", "dst",
-          "effects", "keep_graph", "retained", "holds", "nbytes", "spec")
+          "effects", "keep_graph", "retained", "holds", "nbytes", "spec", "coord")
 #: The event of a snapshot record: the parameter's state and holders where a trace window opens.
 SNAPSHOT = "snapshot"
 #: Records the flight recorder keeps by default (``PARAMFSM_TRACE_RECORDS`` overrides it).
@@ -57,9 +57,14 @@ class TraceRecord:
     holds: int = 0  # holders before the transition
     nbytes: int = 0  # bytes of the full parameter
     spec: str = ""  # digest of the spec the run stepped under (paramfsm.core.fsm.Table.digest)
+    coord: tuple[int, ...] = ()  # hybrid sharding: (replica, shard rank) on the device mesh; () otherwise
 
     def to_json(self) -> dict:
-        return {f: (list(v) if f == "effects" else v) for f, v in zip(FIELDS, attrs.astuple(self))}
+        """The record as a JSON object (``coord`` only under hybrid sharding)."""
+        out = {f: (list(v) if f in ("effects", "coord") else v) for f, v in zip(FIELDS, attrs.astuple(self))}
+        if not self.coord:
+            del out["coord"]
+        return out
 
     @classmethod
     def from_json(cls, obj: dict) -> "TraceRecord":
@@ -74,6 +79,8 @@ class TraceRecord:
             if not _FIELD_CHECKS[field](value):
                 raise ValueError(f"field {field!r} has the wrong type: {value!r}")
         kwargs["effects"] = tuple(kwargs["effects"])
+        if "coord" in kwargs:
+            kwargs["coord"] = tuple(kwargs["coord"])
         return cls(**kwargs)
 
 
@@ -86,6 +93,7 @@ _FIELD_CHECKS = {
     **dict.fromkeys(("param", "unit", "event", "src", "dst", "spec"), lambda v: isinstance(v, str)),
     **dict.fromkeys(("keep_graph", "retained"), lambda v: isinstance(v, bool)),
     "effects": lambda v: isinstance(v, list) and all(isinstance(e, str) for e in v),
+    "coord": lambda v: isinstance(v, list) and all(_is_int(c) for c in v),
 }
 
 
@@ -115,9 +123,12 @@ class Trace:
     """
 
     def __init__(self, rank: int = 0, records: Iterable[TraceRecord] = (), *, limit: int | None = None,
-                 path: str | Path | None = None, digest: str = "", lifetimes: Iterable = ()):
+                 path: str | Path | None = None, digest: str = "", lifetimes: Iterable = (),
+                 coord: tuple[int, ...] = ()):
         self.rank = rank
         self.digest = digest
+        self.coord = tuple(coord)  # (replica, shard rank) under hybrid sharding
+        self._coord_json = f',"coord":[{",".join(map(str, self.coord))}]' if self.coord else ""
         self.limit = limit
         self.path = Path(path) if path is not None else None
         self.lifetimes = tuple(lifetimes)
@@ -166,7 +177,7 @@ class Trace:
     def _record(self, e) -> TraceRecord:
         seq, t_ns, step, graph_task, rec, event, src, dst, effects, keep_graph, retained, holds = e
         return TraceRecord(seq, t_ns, self.rank, step, graph_task, rec.name, rec.unit, event, src.name, dst.name,
-                           effects, bool(keep_graph), bool(retained), holds, rec.nbytes, self.digest)
+                           effects, bool(keep_graph), bool(retained), holds, rec.nbytes, self.digest, self.coord)
 
     @property
     def records(self) -> list[TraceRecord]:
@@ -198,7 +209,7 @@ class Trace:
             start.setdefault(rec, (rec.state, rec.holds))
         t_ns, step, graph_task = (raw[0][1], raw[0][2], raw[0][3]) if raw else (0, 0, -1)
         return [TraceRecord(first_seq, t_ns, self.rank, step, graph_task, rec.name, rec.unit, SNAPSHOT,
-                            state.name, state.name, (), False, False, holds, rec.nbytes, self.digest)
+                            state.name, state.name, (), False, False, holds, rec.nbytes, self.digest, self.coord)
                 for rec, (state, holds) in start.items() if state.name != _RESTING or holds]
 
     @property
@@ -231,7 +242,7 @@ class Trace:
         return (f'{{"seq":{seq},"t_ns":{t_ns},"rank":{self.rank},"step":{step},"graph_task":{graph_task},'
                 f'"param":{name},"unit":{unit},"event":"{event}","src":"{src.name}","dst":"{dst.name}",'
                 f'"effects":{listed},"keep_graph":{_BOOL[bool(keep_graph)]},"retained":{_BOOL[bool(retained)]},'
-                f'"holds":{holds},"nbytes":{nbytes},"spec":"{self.digest}"}}\n')
+                f'"holds":{holds},"nbytes":{nbytes},"spec":"{self.digest}"{self._coord_json}}}\n')
 
     def close(self) -> None:
         """Flush and close a streamed trace's file (the records stay readable)."""

@@ -34,19 +34,20 @@ DIR_ENV = "PARAMFSM_TRACE_DIR"
 TRACE_RECORDS_ENV = "PARAMFSM_TRACE_RECORDS"
 
 
-def make_trace(trace, rank: int, digest: str, lifetimes) -> Trace:
+def make_trace(trace, rank: int, digest: str, lifetimes, coord: tuple[int, ...] = ()) -> Trace:
     """The runtime's Trace for ``shard(..., trace=...)`` (see :func:`paramfsm.shard`).
 
     False (or None): the flight recorder, a ring of ``$PARAMFSM_TRACE_RECORDS``
     (default :data:`~paramfsm.core.trace.DEFAULT_RING`) records; an int: a ring
     of that many (0: a Trace that records nothing); True: every record in
-    memory; a path: every record streamed to that file.
+    memory; a path: every record streamed to that file. ``coord``: the rank's
+    (replica, shard rank) under hybrid sharding, written into every record.
     """
     if trace is True:
-        return Trace(rank, digest=digest, lifetimes=lifetimes)
+        return Trace(rank, digest=digest, lifetimes=lifetimes, coord=coord)
     if isinstance(trace, (str, os.PathLike)):
         try:
-            return Trace(rank, path=trace, digest=digest, lifetimes=lifetimes)
+            return Trace(rank, path=trace, digest=digest, lifetimes=lifetimes, coord=coord)
         except OSError as exc:
             raise errors.ParamFSMError(f"trace={str(trace)!r}: cannot open it for writing: {exc.strerror or exc}") from None
     if trace is False or trace is None:
@@ -57,7 +58,7 @@ def make_trace(trace, rank: int, digest: str, lifetimes) -> Trace:
     if not isinstance(trace, int) or trace < 0:
         raise errors.ParamFSMError(f"trace={trace!r}: expected False (the flight recorder), True (every transition), "
                             "a number of records to keep (0: none) or a JSON Lines path to stream to")
-    return Trace(rank, limit=trace, digest=digest, lifetimes=lifetimes)
+    return Trace(rank, limit=trace, digest=digest, lifetimes=lifetimes, coord=coord)
 
 
 #: Dumps one runtime writes at most (a leak repeated every step must not fill the disk).
