@@ -46,7 +46,8 @@ class GradScaler(torch.amp.GradScaler):
 
     def __init__(self, rt, device: str | None = None, **kwargs):
         if device is None:
-            device = rt.shard_parameters()[0].device.type if rt.shard_parameters() else "cpu"
+            shards = rt.shard_parameters()
+            device = shards[0].device.type if shards else "cpu"
         super().__init__(device, **kwargs)
         self.rt = rt
 

@@ -44,7 +44,7 @@ def _mesh(rt) -> tuple[DeviceMesh, list]:
     runtime's 2-D ``(replicate, shard)`` mesh, ``[Replicate(), Shard(0)]``, so
     DCP saves each shard once however many replicas hold it.
     """
-    if getattr(rt, "mesh", None) is not None:
+    if rt.mesh is not None:
         return rt.mesh, [Replicate(), Shard(0)]
     group = rt.group if rt.group is not None else dist.group.WORLD
     device = next(iter(rt._by_id.values())).shard.device.type
@@ -184,7 +184,7 @@ def load_sharded_optim_state_dict(rt, optimizer, state_dict) -> None:
 
 def _dcp_group(rt):
     """Every rank takes part in a DCP save or load: with a 2-D mesh, the default group spanning it."""
-    return None if getattr(rt, "mesh", None) is not None else rt.group
+    return None if rt.mesh is not None else rt.group
 
 
 def save(rt, path, optimizer=None) -> None:

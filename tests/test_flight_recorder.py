@@ -188,3 +188,24 @@ def test_a_skipped_step_raises_rank_desync(ranks2, debug):
     for rank, (err_rank, step, message) in enumerate(results):
         assert err_rank == rank and step == (2 if rank == 0 else 3), message
         assert "at step 2" in message and "at step 3" in message, message
+
+
+def test_dumps_stop_at_the_cap_and_skip_when_nothing_is_new(tmp_path, monkeypatch, caplog):
+    from paramfsm.core.fsm import Lifetime, StepContext, default_table, step
+    from paramfsm.engine.flight import MAX_DUMPS, FlightRecorder
+
+    monkeypatch.setenv("PARAMFSM_TRACE_DIR", str(tmp_path))
+    trace = Trace(0, limit=16)
+    ctx, rec = StepContext(0, trace), Lifetime("w", "u", 64)
+    recorder = FlightRecorder(trace, ctx)
+    written = []
+    for i in range(MAX_DUMPS + 3):
+        ctx.step = i
+        for event in ("fetch", "arrive", "release"):
+            step(default_table(), rec, event, ctx)
+        written.append(recorder.dump("leak"))
+        assert recorder.dump("leak") == written[-1], "nothing new since the last dump: no second file"
+    assert all(p is not None and p.is_file() for p in written[:MAX_DUMPS])
+    assert written[MAX_DUMPS:] == [None] * 3
+    assert len(list(tmp_path.glob("paramfsm-trace-rank0-*.jsonl"))) == MAX_DUMPS
+    assert sum("writing no more" in r.getMessage() for r in caplog.records) == 1

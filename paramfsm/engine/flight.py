@@ -92,7 +92,8 @@ class FlightRecorder:
     def __init__(self, trace, ctx):
         self.trace, self.ctx = trace, ctx
         self.dumps: list[Path] = []
-        self._dumped_at = -1  # transitions seen at the last dump (nothing new, no dump); -2: capped
+        self._dumped_at = -1  # transitions seen at the last dump: nothing new, no dump
+        self._capped = False
 
     def failed(self, exc: BaseException | None = None, reason: str | None = None) -> Path | None:
         """Dump for a failure (``exc`` raised, or ``reason`` without one); note the file on ``exc``."""
@@ -120,10 +121,10 @@ class FlightRecorder:
         if seen == self._dumped_at:
             return self.dumps[-1] if self.dumps else None
         if len(self.dumps) >= MAX_DUMPS:
-            if self._dumped_at != -2:
+            if not self._capped:
                 log.warning("paramfsm: rank %d wrote %d flight-recorder dumps; writing no more",
                             self.ctx.rank, MAX_DUMPS)
-                self._dumped_at = -2
+                self._capped = True
             return None
         path = dump_dir() / f"paramfsm-trace-rank{self.ctx.rank}-step{self.ctx.step}-{reason}.jsonl"
         try:
