@@ -134,14 +134,11 @@ class BackwardHandlers:
         """A backward that did not keep its graph freed the saved tensors of every forward call it
         reached: those calls can retain nothing any more, even while the user holds their outputs."""
         for call in ts.seen:
-            if type(call) is ForwardCall and id(call) not in self._consumed:
-                self._consumed.add(id(call))
+            if type(call) is ForwardCall and call.live:
+                call.live = False  # counted out now: its collection reports nothing
                 call.unit.live_graphs -= 1
 
     def _on_graph_freed(self, ev: Event) -> None:
-        if ev.call in self._consumed:
-            self._consumed.discard(ev.call)  # already counted out when its graph was consumed
-            return
         unit = ev.unit
         unit.live_graphs -= 1
         if unit.live_graphs > 0:

@@ -134,10 +134,62 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: b
     """Sum ``inp`` (world*S, rank-major) over ranks; this rank's S elements land in ``out``.
 
     With ``replicate_group`` (hybrid sharding), ``out`` is then also summed
-    across the replicas, when the returned handle is waited on.
+    across the replicas, when the returned handle is waited on. Large CPU
+    inputs on gloo are all-reduced in place instead (see [Note: gloo reduces
+    by all-reduce]); ``inp`` is then overwritten, which its callers allow.
     """
-    work = _REDUCE_SCATTER(out, inp, group=group, async_op=async_op)
+    if inp.device.type == "cpu" and inp.numel() * inp.element_size() >= GLOO_ALL_REDUCE_BYTES and _is_gloo(group):
+        work = _ViaAllReduce(dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
+                             out, inp, dist.get_rank(group))
+    else:
+        work = _REDUCE_SCATTER(out, inp, group=group, async_op=async_op)
     return work if replicate_group is None else _AcrossReplicas(work, out, replicate_group)
+
+
+# [Note: gloo reduces by all-reduce]
+# gloo's reduce-scatter is slower than its all-reduce of the same input, although
+# the all-reduce moves more bytes: at world 2 on 127.0.0.1, 4 MiB per rank took
+# 9.3 ms against 6.3 ms (14.9 ms against 11.6 ms at world 3 for 4 MiB per rank
+# slice; measured with paired barriers, median of 20). So on gloo an input of at
+# least GLOO_ALL_REDUCE_BYTES is summed whole, in place, and this rank's slice is
+# copied out when the handle is waited on. Smaller ones keep the reduce-scatter
+# (at world 3, 64 KiB reduce-scattered in less time than it all-reduced).
+# NCCL's reduce-scatter is the fast one and is always used there.
+
+#: Reduce-scatter inputs on gloo from this many bytes on are all-reduced instead.
+GLOO_ALL_REDUCE_BYTES = 1 << 18
+
+_GLOO: dict = {}
+
+
+def _is_gloo(group) -> bool:
+    """Whether CPU collectives on ``group`` (None: the default group) run on gloo (cached per group)."""
+    key = id(group)
+    known = _GLOO.get(key)
+    if known is None:
+        known = _GLOO[key] = "gloo" in str(dist.get_backend(group))
+    return known
+
+
+class _ViaAllReduce:
+    """The handle of a reduce-scatter done as an in-place all-reduce: ``wait`` copies this rank's slice."""
+
+    def __init__(self, work, out: torch.Tensor, inp: torch.Tensor, rank: int):
+        self.work, self.out, self.inp, self.rank = work, out, inp, rank
+        if work is None:  # a blocking all-reduce has already finished
+            self._take()
+
+    def wait(self, **kwargs) -> bool:
+        if self.work is not None:
+            self.work.wait(**kwargs)
+            self.work = None
+            self._take()
+        return True
+
+    def _take(self) -> None:
+        size = self.out.numel()
+        self.out.copy_(self.inp.view(-1)[self.rank * size:(self.rank + 1) * size])
+        self.inp = None
 
 
 class _AcrossReplicas:

@@ -52,14 +52,22 @@ class ForwardCall:
 
     It is referenced only by the gradient hooks on those outputs (and the
     post-backward node), so it lives exactly as long as the graph does.
+    ``after`` lists the units whose post-backward rides on the same hooks (see
+    [Note: a chain of units shares one hook] in :mod:`paramfsm.engine.hooks`).
+    ``live`` is cleared by the scheduler when a backward that did not keep its
+    graph consumed the call: its collection then has nothing left to report.
     """
 
-    __slots__ = ("unit", "emit")
+    __slots__ = ("unit", "emit", "after", "live")
 
     def __init__(self, unit, emit):
         self.unit, self.emit = unit, emit
+        self.after = None
+        self.live = True
 
     def __del__(self):
+        if not self.live:
+            return
         try:
             self.emit(Event(GRAPH_FREED, self.unit, call=id(self)))
         except Exception:  # noqa: BLE001 - a finaliser must not raise (e.g. at interpreter exit)

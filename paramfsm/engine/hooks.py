@@ -17,7 +17,9 @@ graph task (after all of its uses, tied weights included). A tensor hook
 routes the gradient when it is recorded (``create_graph=True``) so that a
 later backward through it fetches the unit first (see
 :mod:`paramfsm.engine.higher_order`); the post-backward hooks do the same for the
-gradients of the unit's inputs.
+gradients of the unit's inputs. That tensor hook is registered the first time
+a backward that records its graph reaches the unit (see [Note: higher-order
+hooks come when they are needed]).
 
 On the root module: ``FORWARD_BEGIN`` / ``FORWARD_END`` around the forward, or
 ``FORWARD_FAILED`` when the forward raised (the flight recorder dumps then).
@@ -39,6 +41,28 @@ pre-hooks, so unit k+1 is released before unit k is fetched, and the two
 units' full parameters are never live at once for that moment (as with
 FSDP2's post-backward node). The gradient of the tensor is complete either
 way, so the order is the only difference.
+
+[Note: a chain of units shares one hook]
+When unit k+1's one input is unit k's output itself (a ``Sequential``, a
+stack of blocks), the node that produced it already carries unit k's
+pre-backward hook. Unit k+1's post-backward then rides on that hook
+(``ForwardCall.after``) instead of a tensor hook of its own: the hook emits
+unit k+1's ``POST_BACKWARD`` first, then unit k's ``PRE_BACKWARD``, the same
+order as above, at the same moment (a node runs once every gradient of its
+outputs is complete, which is when the tensor hook would fire). This saves a
+``Tensor.register_hook`` per unit per forward, the most expensive hook to
+register. The chain (:class:`_Chain`) remembers only the last unit's output
+node, from its post-forward to the next pre-forward or the end of the root
+forward, so it keeps no graph alive.
+
+[Note: higher-order hooks come when they are needed]
+A parameter's gradient needs routing only in a backward that records its
+graph (``create_graph=True``: grad mode is on inside it). The unit's
+pre-backward hook runs before any node of the unit, and so before its
+parameters' ``AccumulateGrad``; when it finds grad mode on it registers the
+parameters' routing hooks, which autograd then honours in that same backward
+(a leaf's tensor hooks are read when its ``AccumulateGrad`` runs). Plain
+first-order training never pays for them.
 """
 
 from __future__ import annotations
@@ -73,9 +97,37 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class _Chain:
+    """The last unit output seen in forward (see [Note: a chain of units shares one hook])."""
+
+    __slots__ = ("node", "call")
+
+    def __init__(self):
+        self.node = self.call = None
+
+
 def _on_output_grad(call: ForwardCall, grad_outputs):
-    call.emit(Event(PRE_BACKWARD, call.unit, gt.backward_task(), gt.keeps_graph(), call=call))
-    return None
+    emit, task, keep = call.emit, gt.backward_task(), gt.keeps_graph()
+    routed = None
+    after = call.after
+    if after is not None:  # units whose one input this node produced: [Note: a chain of units shares one hook]
+        for unit in after:
+            emit(Event(POST_BACKWARD, unit, task, keep))
+        if torch.is_grad_enabled():
+            routed = higher_order.enter(emit, tuple(after), grad_outputs)
+    if torch.is_grad_enabled():
+        _watch_higher_order(emit, call.unit)
+    emit(Event(PRE_BACKWARD, call.unit, task, keep, call=call))
+    return routed
+
+
+def _watch_higher_order(emit, unit) -> None:
+    """Register the routing hooks of a unit's parameters (see [Note: higher-order hooks come when they are
+    needed]); parameters that have them already are skipped."""
+    for rec in unit.records:
+        hooks = rec.grad_hooks
+        if len(hooks) == 1:
+            hooks.append(rec.param.register_hook(partial(higher_order.on_param_grad, emit, rec.units)))
 
 
 def _on_input_grad(emit, unit, grad):
@@ -86,23 +138,38 @@ def _on_input_grad(emit, unit, grad):
     return None
 
 
-def _route_inputs(emit, unit, tensors: list):
+def _route_inputs(emit, unit, tensors: list, link: tuple | None = None):
     """Arrange one POST_BACKWARD per call; return replacement tensors (or None to keep the inputs).
 
-    One non-leaf input: a hook on that tensor fires once its gradient is
-    complete, i.e. after this unit's backward (cheap, no extra node); see
-    [Note: a unit is released before the unit below it is fetched]. Several
-    inputs, or leaf inputs: route them through :class:`_PostBackward`, whose
-    single node fires after all of them.
+    One non-leaf input: the pre-backward hook of the unit that produced it
+    (see [Note: a chain of units shares one hook]), else a hook on that
+    tensor; either fires once its gradient is complete, i.e. after this
+    unit's backward (cheap, no extra node); see [Note: a unit is released
+    before the unit below it is fetched]. Several inputs, or leaf inputs:
+    route them through :class:`_PostBackward`, whose single node fires after
+    all of them.
     """
     if len(tensors) == 1 and tensors[0].grad_fn is not None:
+        if link is not None and tensors[0].grad_fn is link[0]:
+            call = link[1]
+            if call.after is None:
+                call.after = [unit]
+            else:
+                call.after.append(unit)
+            return None
         tensors[0].register_hook(partial(_on_input_grad, emit, unit))
         return None
     return _PostBackward.apply(emit, unit, *tensors)
 
 
-def _pre_forward(emit, unit, module, args, kwargs):
-    emit(Event(PRE_FORWARD, unit, gt.current_task()))
+def _pre_forward(emit, unit, chain, module, args, kwargs):
+    task = gt.current_task()
+    emit(Event(PRE_FORWARD, unit, task))
+    link = None
+    if chain.node is not None:  # taken by this call or by nobody: [Note: a chain of units shares one hook]
+        if task == gt.NO_TASK:
+            link = chain.node, chain.call
+        chain.node = chain.call = None
     if not torch.is_grad_enabled():
         return None
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
@@ -110,7 +177,7 @@ def _pre_forward(emit, unit, module, args, kwargs):
         positions = [i for i, a in enumerate(args) if a.requires_grad]
         if not positions:
             return None
-        routed = _route_inputs(emit, unit, [args[i] for i in positions])
+        routed = _route_inputs(emit, unit, [args[i] for i in positions], link)
         if routed is None:
             return None
         new_args = list(args)
@@ -129,8 +196,9 @@ def _pre_forward(emit, unit, module, args, kwargs):
     return tree_unflatten(flat, spec)
 
 
-def _post_forward(emit, unit, module, args, output):
+def _post_forward(emit, unit, chain, module, args, output):
     call = None
+    task = gt.current_task()
     if torch.is_grad_enabled():
         if isinstance(output, torch.Tensor):
             nodes = [output.grad_fn] if output.grad_fn is not None else []
@@ -143,7 +211,11 @@ def _post_forward(emit, unit, module, args, output):
             hook = partial(_on_output_grad, call)
             for node in nodes:
                 node.register_prehook(hook)
-    emit(Event(POST_FORWARD, unit, gt.current_task(), call=call))
+            if chain.node is nodes[0]:  # a unit nested in this one produced it: its hook runs first
+                chain.node = chain.call = None
+            elif task == gt.NO_TASK and len(nodes) == 1 and isinstance(output, torch.Tensor):
+                chain.node, chain.call = nodes[0], call
+    emit(Event(POST_FORWARD, unit, task, call=call))
     return None
 
 
@@ -151,28 +223,30 @@ def _on_grad_accumulated(emit, record, param):
     emit(Event(GRAD_READY, graph_task=gt.backward_task(), keep_graph=gt.keeps_graph(), record=record))
 
 
-def _root_forward_end(emit, module, args, output) -> None:
+def _root_forward_end(emit, chain, module, args, output) -> None:
     """``FORWARD_END``, or ``FORWARD_FAILED`` when the forward raised.
 
     Registered with ``always_call=True``: torch calls it from the ``except``
     block of a forward that raised (with no output), so the exception being
     handled is how the failure is told apart.
     """
+    chain.node = chain.call = None
     failed = output is None and sys.exc_info()[1] is not None
     emit(Event(FORWARD_FAILED if failed else FORWARD_END, None, gt.current_task()))
 
 
 def install(root: torch.nn.Module, units, records, emit) -> list:
     """Register every hook; returns the handles so ``rt.close()`` can remove them."""
+    chain = _Chain()
     handles = [
         root.register_forward_pre_hook(
             lambda module, args: emit(Event(FORWARD_BEGIN, None, gt.current_task()))),
     ]
     for unit in units:
         handles.append(unit.module.register_forward_pre_hook(
-            partial(_pre_forward, emit, unit), with_kwargs=True))
-        handles.append(unit.module.register_forward_hook(partial(_post_forward, emit, unit)))
-    handles.append(root.register_forward_hook(partial(_root_forward_end, emit), always_call=True))
+            partial(_pre_forward, emit, unit, chain), with_kwargs=True))
+        handles.append(unit.module.register_forward_hook(partial(_post_forward, emit, unit, chain)))
+    handles.append(root.register_forward_hook(partial(_root_forward_end, emit, chain), always_call=True))
     for rec in records:
         if rec.requires_grad:
             watch_grads(rec, emit)
@@ -183,12 +257,10 @@ def watch_grads(rec, emit) -> None:
     """Register the gradient hooks of a parameter that requires grad (at shard, or when unfrozen).
 
     The handles live on the record, so freezing it again removes them (:func:`unwatch_grads`).
+    The higher-order routing hook joins them later, when needed (:func:`_watch_higher_order`).
     """
     if not rec.grad_hooks:
-        rec.grad_hooks = [
-            rec.param.register_post_accumulate_grad_hook(partial(_on_grad_accumulated, emit, rec)),
-            rec.param.register_hook(partial(higher_order.on_param_grad, emit, rec.units)),
-        ]
+        rec.grad_hooks = [rec.param.register_post_accumulate_grad_hook(partial(_on_grad_accumulated, emit, rec))]
 
 
 def unwatch_grads(rec) -> None:

@@ -56,7 +56,6 @@ class Scheduler(BackwardHandlers):
         self.deferred_bytes = 0
         self.peak_deferred_bytes = 0
         self.tasks: dict[int, TaskState] = {}
-        self._consumed: set[int] = set()  # ids of live forward calls a non-retained backward consumed
         self.forward = PassState()
         self.forward_open = False
         self.fwd_plan = Plan((), units, bucket_bytes)
