@@ -134,10 +134,10 @@ def _abandoned_prefetch_left_inflight():
 
 def _no_grad_forward_left_gathered():
     def make(original):
-        def _post_forward(emit, unit, module, args, output):
+        def _post_forward(emit, unit, chain, module, args, output):
             if not torch.is_grad_enabled():
                 return None
-            return original(emit, unit, module, args, output)
+            return original(emit, unit, chain, module, args, output)
         return _post_forward
     return _patched(hooks, "_post_forward", make)
 
