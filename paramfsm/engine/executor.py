@@ -5,20 +5,7 @@ and acts on their tensors (``param.data``, the shard, staged / pending
 buffers). Effects of one scheduler decision are merged into one bucket:
 one all-gather for every parameter that must be gathered together (one per
 dtype when a bucket mixes parameter dtypes), one reduce-scatter for every
-gradient bucket.
-
-[Note: gather = issue, then wait, then install]
-``start_gather`` launches the bucket's gather on the gather lane
-(:mod:`paramfsm.engine.streams`): pack the shards, issue an async all-gather
-(INFLIGHT). On a device the lane also waits for the collective and unpacks the
-whole bucket into full tensors (see [Note: persistent full storage]) without
-blocking the host; on the CPU the host does both in ``wait_gather``, which is
-where gloo's background thread stops overlapping. ``wait_gather`` joins the
-lane (compute waits for its event) and stages the full tensors on the records.
-The ``unpack`` effect (on the ``arrive`` transition) installs a staged tensor as
-``param.data``. Splitting wait from install lets one wait complete a bucket
-that spans several units while each parameter still moves through the FSM on
-its own.
+gradient bucket. The gather side lives in :mod:`paramfsm.engine.gathers`.
 
 [Note: gradients leave the parameter at once]
 ``reduce_grad`` takes ``param.grad`` (accumulated by autograd for the current
@@ -40,10 +27,11 @@ import functools
 import torch
 
 from paramfsm.engine import kernels, placeholder, rankcheck
-from paramfsm.engine.collectives import DEFAULT_TIMEOUT_S, all_gather_flat, reduce_scatter_flat, waiter
-from paramfsm.engine.inflight import Counters, Gather
+from paramfsm.engine.collectives import DEFAULT_TIMEOUT_S, reduce_scatter_flat, waiter
+from paramfsm.engine.gathers import PERSISTENT_BYTES, Gathers
+from paramfsm.engine.inflight import Counters
 from paramfsm.engine.partitioned import real_grad, set_real_grad
-from paramfsm.engine.streams import GATHER, REDUCE, HostStreams
+from paramfsm.engine.streams import REDUCE, HostStreams
 from paramfsm.errors import CollectiveTimeout
 
 # [Note: a big gradient is reduced in place]
@@ -58,26 +46,10 @@ from paramfsm.errors import CollectiveTimeout
 #: Reduce-scatters issued and not yet waited on, at most (each holds a full-size gradient bucket).
 MAX_REDUCES_IN_FLIGHT = 1
 
-#: Parameters from this size on keep one full tensor for life whose storage is freed and regrown.
-PERSISTENT_BYTES = 64 * 1024
-
-# [Note: persistent full storage]
-# Autograd saves views of parameters (``F.linear`` saves ``weight.t()``), and a
-# view keeps its storage alive: if every gather made a fresh full tensor and
-# ``free`` only swapped ``param.data``, the full weights of every layer would
-# stay alive from forward to backward through those views, and sharding would
-# save no memory in between. So a parameter of at least PERSISTENT_BYTES owns
-# one full tensor for life: ``free`` resizes its storage to zero bytes (the
-# memory is returned at once; saved views now point at nothing), and the next
-# gather regrows the same storage and unpacks into it, before any backward
-# node that saved such a view runs (pre-backward fetches first). The copy
-# bumps the full tensor's version counter, not the parameter's (``param.data =``
-# keeps the parameter's own counter), so saved views stay valid. Small
-# parameters are unpacked as views of one buffer per bucket instead: one
-# allocation per bucket, and what saved views retain is bounded by the bucket.
+__all__ = ["PERSISTENT_BYTES", "Executor", "MAX_REDUCES_IN_FLIGHT"]
 
 
-class Executor:
+class Executor(Gathers):
     """Runs gather / free / reduce effects for one process group."""
 
     def __init__(self, group, rank: int, world: int, *, param_dtype=None, reduce_dtype=None,
@@ -106,131 +78,7 @@ class Executor:
         self.ctx = None
         self.unit_names: tuple[str, ...] = ()
 
-    # ------------------------------------------------------------------ gather
-    def start_gather(self, records) -> None:
-        """Pack the shards of ``records`` and issue one async all-gather (the start_gather effect).
-
-        Without ``param_dtype``, a bucket whose parameters have different dtypes
-        is gathered as one all-gather per dtype, so each parameter comes back in
-        its own dtype (the order of the groups is the same on every rank).
-        """
-        dtype = self.param_dtype
-        if dtype is None and not self.local:
-            first_dtype = records[0].shard.dtype
-            if any(r.shard.dtype != first_dtype for r in records):
-                by_dtype: dict = {}
-                for rec in records:
-                    by_dtype.setdefault(rec.shard.dtype, []).append(rec)
-                for group in by_dtype.values():
-                    self.start_gather(tuple(group))
-                return
-        if self.local:
-            for rec in records:
-                rec.staged = self._local_full(rec, dtype)
-            gather = Gather(records, None)
-        else:
-            first = records[0].shard
-            dtype = dtype or first.dtype
-            numels = tuple(r.numel for r in records)
-            shards = [r.shard.detach() for r in records]
-            check = self.rank_check
-            tagged = check == "tag" and first.device.type == "cpu"
-            if check == "header" or tagged:
-                fields = self._tag_fields(records)
-                if tagged:
-                    numels += (rankcheck.TAG_NUMEL * self.world,)
-                    shards.append(rankcheck.encode(fields, dtype, first.device))
-                else:
-                    rankcheck.check_header(fields, self.rank, self.world, self.group, self.unit_names,
-                                           "all-gather", self.timed_wait("rank-check header", records))
-            layout = kernels.shard_layout(numels, self.world)
-            gather = Gather(records, layout, tagged)
-            gather.ticket = self.streams.launch(GATHER, self._issue_gather, gather, shards, dtype)
-            self.counters.all_gathers += 1
-            self.counters.gathered_bytes += layout.total * self.world * dtype.itemsize
-        for rec in records:
-            rec.pending = gather
-
-    def _tag_fields(self, records) -> tuple[int, ...]:
-        """(gather number, step, unit index, elements): the same on every rank running the same program."""
-        units = records[0].units
-        return (self.counters.all_gathers, self.ctx.step if self.ctx is not None else 0,
-                units[0].index if units else -1, sum(r.shard_numel for r in records))
-
-    @staticmethod
-    def _local_full(rec, dtype):
-        """World 1: the shard is the whole parameter; gather it as a view (or a cast copy)."""
-        if dtype is not None and dtype != rec.shard.dtype:
-            return rec.shard.detach().to(dtype).view(rec.shape)
-        view = rec.local_view
-        if view is None:
-            view = rec.local_view = rec.shard.detach().view(rec.shape)
-        return view
-
-    def _issue_gather(self, gather: Gather, shards, dtype):
-        """Gather-lane work: pack, issue the all-gather; on a device also wait and unpack there."""
-        layout, device = gather.layout, shards[0].device
-        send = torch.empty(layout.total, dtype=dtype, device=device)
-        kernels.pack_shards(shards, send)
-        gather.recv = torch.empty(layout.total * self.world, dtype=dtype, device=device)
-        gather.work = all_gather_flat(gather.recv, send, self.group, async_op=True)
-        return self._finish_gather(gather) if self.streams.asynchronous else None
-
-    def wait_gather(self, gather: Gather) -> None:
-        """Wait for a gather and stage every parameter's full tensor (idempotent).
-
-        See [Note: gather = issue, then wait, then install] for which side waits.
-        """
-        ticket = gather.ticket
-        if ticket is None:
-            return
-        gather.ticket = None
-        outs = self.streams.join(ticket)
-        if outs is None:
-            outs = self._finish_gather(gather)
-        for rec, out in zip(gather.records, outs):
-            rec.staged = out
-
-    def _finish_gather(self, gather: Gather) -> list:
-        """Wait for the all-gather and unpack it into full tensors, one per record.
-
-        See [Note: persistent full storage] for where the full tensors live.
-        """
-        work, gather.work = gather.work, None
-        if self.streams.asynchronous:
-            work.wait()  # on the gather lane: a stream wait, see [Note: every host wait has a limit]
-        else:
-            self.timed_wait(f"all-gather #{self.counters.all_gathers}", gather.records)(work)
-        recv, records = gather.recv, gather.records
-        gather.recv = None
-        tag = torch.empty(rankcheck.TAG_NUMEL * self.world, dtype=recv.dtype, device=recv.device) \
-            if gather.tagged else None
-        if any(rec.nbytes >= PERSISTENT_BYTES for rec in records):
-            outs = [self._persistent(rec, recv) if rec.nbytes >= PERSISTENT_BYTES
-                    else torch.empty(rec.shape, dtype=recv.dtype, device=recv.device) for rec in records]
-            kernels.unpack_gathered(recv, outs + ([tag] if tag is not None else []),
-                                    gather.layout.shard_numels, self.world)
-        else:
-            shapes = [r.shape for r in records] + ([tag.shape] if tag is not None else [])
-            outs = kernels.unpack_to_views(recv, gather.layout, shapes)
-            if tag is not None:
-                tag = outs.pop()
-        if tag is not None:
-            rankcheck.check_encoded(tag.view(self.world, -1), self.rank, self.unit_names)
-        return outs
-
-    @staticmethod
-    def _persistent(rec, like: torch.Tensor) -> torch.Tensor:
-        """The parameter's own full tensor, its storage grown back to full size."""
-        full = rec.full
-        if full is None or full.dtype != like.dtype:
-            full = rec.full = torch.empty(rec.shape, dtype=like.dtype, device=like.device)
-        else:
-            storage = full.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(full.numel() * full.element_size())
-        return full
-
+    # ------------------------------------------------------------------ effects
     def install(self, rec) -> None:
         """The unpack effect: the staged full tensor becomes ``param.data``."""
         if rec.staged is None:

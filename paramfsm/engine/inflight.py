@@ -10,12 +10,16 @@ from __future__ import annotations
 class Gather:
     """One coalesced all-gather in flight: its lane ticket, work handle, receive buffer and records."""
 
-    __slots__ = ("ticket", "work", "recv", "records", "layout", "tagged")
+    __slots__ = ("ticket", "work", "recv", "records", "layout", "tagged", "in_place", "direct")
 
-    def __init__(self, records, layout, tagged: bool = False):
-        self.records, self.layout = records, layout
+    def __init__(self, records, layout, tagged: bool = False, in_place: tuple[bool, ...] | None = None):
+        self.records, self.layout = records, layout  # layout: of the packed part, None when nothing is packed
         self.ticket = self.work = self.recv = None
-        self.tagged = tagged  # the bucket ends with the rank-order tag (see paramfsm.engine.rankcheck)
+        self.tagged = tagged  # the packed part ends with the rank-order tag (see paramfsm.engine.rankcheck)
+        # Per record, whether it is gathered straight into its full tensor (None: none is), and
+        # the work handles of those in-place all-gathers while in flight.
+        self.in_place = in_place
+        self.direct = None
 
 
 class Counters:
