@@ -1,5 +1,5 @@
-"""The per-step hot path: gloo's reduce-scatter by all-reduce, chained post-backward hooks, lazily
-registered higher-order hooks, and forward calls that a backward consumed.
+"""The per-step hot path: gloo's collectives by point-to-point exchange or all-reduce, chained
+post-backward hooks, lazily registered higher-order hooks, and forward calls that a backward consumed.
 
 Each of these saves work on every step, so a regression would not break correctness loudly; these
 tests pin both the saving (which path ran, how many hooks were registered, which events arrived)
@@ -16,7 +16,8 @@ from torch import nn
 
 import paramfsm
 from paramfsm import State
-from paramfsm.engine.collectives import GLOO_ALL_REDUCE_BYTES, _ViaAllReduce, reduce_scatter_flat
+from paramfsm.engine.collectives import GLOO_ALL_REDUCE_BYTES, _ViaAllReduce, all_gather_flat, reduce_scatter_flat
+from paramfsm.engine.exchange import Exchange
 from paramfsm.engine.events import GRAPH_FREED
 from paramfsm.testing import Reference, assert_close_dicts, rank_slice, sharded_grads
 
@@ -26,7 +27,8 @@ _FLOATS = GLOO_ALL_REDUCE_BYTES // 4  # float32 elements of an input exactly at 
 def reduce_scatter_job(rank, world):
     """For inputs just below, at and above the threshold, blocking or not: which path ran, and errors."""
     rows = []
-    for numel in (2 * world, _FLOATS - world, _FLOATS, _FLOATS + 6 * world):
+    above = -(-_FLOATS // world) * world  # the smallest multiple of the world at or above the threshold
+    for numel in (2 * world, above - world, above, above + 6 * world):
         for async_op in (True, False):
             # Rank-distinct small integers, so float32 sums are exact.
             make = lambda r: (torch.arange(numel, dtype=torch.float32) % 97) * (r + 1) + 1000 * r  # noqa: E731
@@ -39,24 +41,64 @@ def reduce_scatter_job(rank, world):
             if handle is not None:
                 handle.wait()
             rows.append({"numel": numel, "async": async_op, "via_all_reduce": isinstance(handle, _ViaAllReduce),
+                         "exchanged": isinstance(handle, Exchange),
                          "ready_on_return": ready_on_return, "out_ok": bool(torch.equal(out, want)),
                          "inp_is_sum": bool(torch.equal(inp, total)), "inp_kept": bool(torch.equal(inp, make(rank)))})
     return rows
 
 
-def test_reduce_scatter_by_all_reduce_on_gloo(ranks2):
-    """Inputs of at least GLOO_ALL_REDUCE_BYTES are summed whole in place ([Note: gloo reduces by
-    all-reduce]) and smaller ones reduce-scattered; either way `out` is this rank's slice of the sum.
-    The path is checked (handle type, `inp` overwritten by the sum), so the test fails if the big path
-    silently stops being taken or the small one starts taking it."""
-    for rank, rows in enumerate(ranks2.run(reduce_scatter_job)):
+def test_reduce_scatter_by_all_reduce_on_gloo(ranks3):
+    """At world 3, inputs of at least GLOO_ALL_REDUCE_BYTES are summed whole in place ([Note: gloo
+    reduces by all-reduce]) and smaller ones reduce-scattered; either way `out` is this rank's slice of
+    the sum. The path is checked (handle type, `inp` overwritten by the sum), so the test fails if the
+    big path silently stops being taken or the small one starts taking it."""
+    for rank, rows in enumerate(ranks3.run(reduce_scatter_job)):
         for row in rows:
             big = row["numel"] * 4 >= GLOO_ALL_REDUCE_BYTES
             assert row["out_ok"], f"rank {rank}: wrong slice of the sum: {row}"
-            assert row["via_all_reduce"] == big, f"rank {rank}: wrong path: {row}"
+            assert row["via_all_reduce"] == big and not row["exchanged"], f"rank {rank}: wrong path: {row}"
             assert row["inp_is_sum"] == big and row["inp_kept"] == (not big), f"rank {rank}: {row}"
             if not row["async"]:
                 assert row["ready_on_return"], f"rank {rank}: blocking call returned before `out` was set: {row}"
+
+
+def test_reduce_scatter_by_exchange_at_world_2(ranks2):
+    """At world 2 every size is exchanged point to point ([Note: gloo exchanges shards point to
+    point]): `out` is this rank's slice of the sum, `inp` is left as it was, and a blocking call
+    returns with `out` filled."""
+    for rank, rows in enumerate(ranks2.run(reduce_scatter_job)):
+        for row in rows:
+            assert row["out_ok"] and row["inp_kept"], f"rank {rank}: {row}"
+            assert row["exchanged"] == row["async"] and not row["via_all_reduce"], f"rank {rank}: wrong path: {row}"
+            if not row["async"]:
+                assert row["ready_on_return"], f"rank {rank}: blocking call returned before `out` was set: {row}"
+
+
+def all_gather_job(rank, world):
+    """Every rank's distinct shard lands in its slot, for a few sizes, blocking or not, twice in flight."""
+    rows = []
+    for numel in (1, 7, 4096):
+        shards = [torch.arange(numel, dtype=torch.float32) + 1000 * r for r in range(world)]
+        outs = [torch.full((world * numel,), float("nan")) for _ in range(2)]
+        handles = [all_gather_flat(out, shards[rank] * (i + 1), None, async_op=True) for i, out in enumerate(outs)]
+        for handle in handles:
+            handle.wait()
+        blocking = torch.full((world * numel,), float("nan"))
+        none = all_gather_flat(blocking, shards[rank], None, async_op=False)
+        rows.append({"exchanged": all(isinstance(h, Exchange) for h in handles), "none": none is None,
+                     "ok": all(torch.equal(out, torch.cat(shards) * (i + 1)) for i, out in enumerate(outs))
+                     and torch.equal(blocking, torch.cat(shards))})
+    return rows
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_by_exchange(ranks2, ranks3, world):
+    """All-gathers on gloo are exchanged point to point; two in flight at once keep their messages
+    apart (each exchange has its own tag) and every slot holds its rank's shard."""
+    pool = ranks2 if world == 2 else ranks3
+    for rank, rows in enumerate(pool.run(all_gather_job)):
+        for row in rows:
+            assert row == {"exchanged": True, "none": True, "ok": True}, (rank, world, row)
 
 
 class ReluBetween(nn.Module):
@@ -203,3 +245,30 @@ def test_consumed_forward_call_emits_no_graph_freed(ranks2, how):
         assert sorted(res["freed"]) == want, (rank, res)
         assert res["states"] == {State.NOT_AVAILABLE} and res["deferred_bytes"] == 0, (rank, res)
         assert res["live_graphs"] == [0, 0, 0], (rank, res)
+
+
+def fresh_groups_job(rank, world):
+    """Groups made and destroyed in turn, each with another number of exchanges (the verify runner's
+    pattern): every new group's exchanges start from tag 0 and its results are right."""
+    import torch.distributed as dist
+
+    from paramfsm.engine import exchange
+
+    rows = []
+    for round_ in range(6):
+        group = dist.new_group()
+        for i in range(round_ % 3 + 1):
+            out = torch.full((world * 3,), float("nan"))
+            all_gather_flat(out, torch.full((3,), float(10 * rank + i)), group).wait()
+            rows.append(torch.equal(out, torch.tensor([float(10 * r + i) for r in range(world) for _ in range(3)])))
+        rows.append(exchange._tags.get(group) == round_ % 3 + 1)
+        dist.destroy_process_group(group)
+    return rows
+
+
+def test_a_new_group_never_inherits_a_destroyed_groups_tags(ranks2):
+    """Per-group state is keyed by the group, not by id(group): a destroyed group's id is reused by the
+    next one differently on each rank, which would misalign the exchanges' tags (a hang, or a process
+    aborted on a message of the wrong size)."""
+    for rank, rows in enumerate(ranks2.run(fresh_groups_job)):
+        assert all(rows), (rank, rows)

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from paramfsm.engine import exchange
 from paramfsm.errors import NotInitialized
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -126,19 +127,52 @@ def _on(tensor: torch.Tensor, wait: Callable | None) -> Callable:
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
-    """All-gather ``inp`` (S elements) from every rank into ``out`` (world*S, rank-major)."""
+    """All-gather ``inp`` (S elements) from every rank into ``out`` (world*S, rank-major).
+
+    CPU tensors on gloo are exchanged point to point (see [Note: gloo exchanges
+    shards point to point] in :mod:`paramfsm.engine.exchange`).
+    """
+    if inp.device.type == "cpu" and _is_gloo(group):
+        rank, world = _shape(group)
+        if exchange.usable(world):
+            return _finish(exchange.exchange_gather(out, inp, group, rank, world), async_op)
     return _ALL_GATHER(out, inp, group=group, async_op=async_op)
+
+
+def _finish(handle, async_op: bool):
+    """``handle`` when asynchronous; else wait for it now and return None, like torch's collectives."""
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+_SHAPES = exchange.PerGroup()
+
+
+def _shape(group) -> tuple[int, int]:
+    """(rank, world) in ``group``, cached per group."""
+    shape = _SHAPES.get(group)
+    if shape is None:
+        shape = (dist.get_rank(group), dist.get_world_size(group))
+        _SHAPES.set(group, shape)
+    return shape
 
 
 def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True, replicate_group=None):
     """Sum ``inp`` (world*S, rank-major) over ranks; this rank's S elements land in ``out``.
 
     With ``replicate_group`` (hybrid sharding), ``out`` is then also summed
-    across the replicas, when the returned handle is waited on. Large CPU
-    inputs on gloo are all-reduced in place instead (see [Note: gloo reduces
-    by all-reduce]); ``inp`` is then overwritten, which its callers allow.
+    across the replicas, when the returned handle is waited on. On gloo, CPU
+    inputs are exchanged point to point at world 2 (see [Note: gloo exchanges
+    shards point to point]) and large ones all-reduced in place at larger
+    worlds (see [Note: gloo reduces by all-reduce]); ``inp`` is then
+    overwritten, which its callers allow.
     """
-    if inp.device.type == "cpu" and inp.numel() * inp.element_size() >= GLOO_ALL_REDUCE_BYTES and _is_gloo(group):
+    cpu_gloo = inp.device.type == "cpu" and _is_gloo(group)
+    if cpu_gloo and _shape(group)[1] == 2:  # [Note: gloo exchanges shards point to point]
+        work = _finish(exchange.exchange_reduce(out, inp, group, _shape(group)[0]), async_op)
+    elif cpu_gloo and inp.numel() * inp.element_size() >= GLOO_ALL_REDUCE_BYTES:
         work = _ViaAllReduce(dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
                              out, inp, dist.get_rank(group))
     else:
@@ -159,15 +193,15 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: b
 #: Reduce-scatter inputs on gloo from this many bytes on are all-reduced instead.
 GLOO_ALL_REDUCE_BYTES = 1 << 18
 
-_GLOO: dict = {}
+_GLOO = exchange.PerGroup()
 
 
 def _is_gloo(group) -> bool:
     """Whether CPU collectives on ``group`` (None: the default group) run on gloo (cached per group)."""
-    key = id(group)
-    known = _GLOO.get(key)
+    known = _GLOO.get(group)
     if known is None:
-        known = _GLOO[key] = "gloo" in str(dist.get_backend(group))
+        known = "gloo" in str(dist.get_backend(group))
+        _GLOO.set(group, known)
     return known
 
 
