@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import paramfsm
-from paramfsm.engine import executor as executor_module
+from paramfsm.engine import gathers as gathers_module
 from paramfsm.testing.models import Block, TinyTransformer
 
 VOCAB, DIM, DEPTH, SEQ, BATCH = 256, 128, 6, 64, 4
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 unless bytes per step match the formula")
     parser.add_argument("--estimate", action="store_true", help="also print the 7B / 1,024-GPU estimate")
     args = parser.parse_args(argv)
-    executor_module.all_gather_flat = _gather_copies
+    gathers_module.all_gather_flat = _gather_copies
     model = build()
     plain_opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     print(f"model: TinyTransformer(vocab {VOCAB}, dim {DIM}, depth {DEPTH}), "

@@ -157,7 +157,7 @@ def comm_job(rank, world, name: str, steps: int, warmup: int) -> tuple[float, in
     import torch.distributed as dist
 
     import paramfsm
-    from paramfsm.engine import executor
+    from paramfsm.engine import executor, gathers
 
     model = build(name)
     rt = paramfsm.shard(model, trace=0)
@@ -165,7 +165,7 @@ def comm_job(rank, world, name: str, steps: int, warmup: int) -> tuple[float, in
     width = MODELS[name[0]][1]
     time_steps(model, opt, 0, warmup, width)
     issued = []
-    originals = executor.all_gather_flat, executor.reduce_scatter_flat
+    originals = gathers.all_gather_flat, executor.reduce_scatter_flat
 
     def recorder(kind, original):
         def record(out, inp, group, async_op=True, **kwargs):
@@ -173,12 +173,12 @@ def comm_job(rank, world, name: str, steps: int, warmup: int) -> tuple[float, in
             return original(out, inp, group, async_op, **kwargs)
         return record
 
-    executor.all_gather_flat = recorder("ag", originals[0])
+    gathers.all_gather_flat = recorder("ag", originals[0])
     executor.reduce_scatter_flat = recorder("rs", originals[1])
     try:
         time_steps(model, opt, 0, 1, width)
     finally:
-        executor.all_gather_flat, executor.reduce_scatter_flat = originals
+        gathers.all_gather_flat, executor.reduce_scatter_flat = originals
     rt.close()
     buffers = [(kind, torch.empty(n_out, dtype=dtype), torch.ones(n_in, dtype=dtype))
                for kind, n_out, n_in, dtype in issued]
