@@ -169,12 +169,12 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: b
     worlds (see [Note: gloo reduces by all-reduce]); ``inp`` is then
     overwritten, which its callers allow.
     """
-    cpu_gloo = inp.device.type == "cpu" and _is_gloo(group)
-    if cpu_gloo and _shape(group)[1] == 2:  # [Note: gloo exchanges shards point to point]
-        work = _finish(exchange.exchange_reduce(out, inp, group, _shape(group)[0]), async_op)
-    elif cpu_gloo and inp.numel() * inp.element_size() >= GLOO_ALL_REDUCE_BYTES:
+    rank, world = _shape(group) if inp.device.type == "cpu" and _is_gloo(group) else (None, None)
+    if world == 2:  # [Note: gloo exchanges shards point to point]
+        work = _finish(exchange.exchange_reduce(out, inp, group, rank), async_op)
+    elif world is not None and inp.numel() * inp.element_size() >= GLOO_ALL_REDUCE_BYTES:
         work = _ViaAllReduce(dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
-                             out, inp, dist.get_rank(group))
+                             out, inp, rank)
     else:
         work = _REDUCE_SCATTER(out, inp, group=group, async_op=async_op)
     return work if replicate_group is None else _AcrossReplicas(work, out, replicate_group)

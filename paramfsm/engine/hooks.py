@@ -108,14 +108,15 @@ class _Chain:
 
 def _on_output_grad(call: ForwardCall, grad_outputs):
     emit, task, keep = call.emit, gt.backward_task(), gt.keeps_graph()
+    recording = torch.is_grad_enabled()  # create_graph: see paramfsm.engine.higher_order
     routed = None
     after = call.after
     if after is not None:  # units whose one input this node produced: [Note: a chain of units shares one hook]
         for unit in after:
             emit(Event(POST_BACKWARD, unit, task, keep))
-        if torch.is_grad_enabled():
+        if recording:
             routed = higher_order.enter(emit, tuple(after), grad_outputs)
-    if torch.is_grad_enabled():
+    if recording:
         _watch_higher_order(emit, call.unit)
     emit(Event(PRE_BACKWARD, call.unit, task, keep, call=call))
     return routed
