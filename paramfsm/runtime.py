@@ -28,7 +28,7 @@ from paramfsm.engine.executor import Executor
 from paramfsm.engine.flight import FlightRecorder, make_trace
 from paramfsm.engine.scheduler import Scheduler
 from paramfsm.engine.streams import streams_for
-from paramfsm.engine.units import ParamRecord, build_units
+from paramfsm.engine.units import ROOT, ParamRecord, build_units
 from paramfsm.errors import ParamFSMError
 
 RETAIN_POLICIES = ("defer", "regather")
@@ -139,7 +139,7 @@ class Runtime:
             self.executor.rank_check = "header"
         for rec in by_id.values():
             partitioned.adopt(rec.param, rec, trace_rank)
-            self.executor.free(rec)
+            self.executor.free((rec,))
         self._handles = hooks.install(model, self.units, list(by_id.values()), self.scheduler.emit)
         if param_dtype is not None:
             self._handles.append(model.register_forward_pre_hook(
@@ -383,7 +383,7 @@ def _cast_inputs(dtype, module, args, kwargs):
 
 def _ancestors(model: nn.Module, unit_name: str):
     """The unit's module and every module above it (so rt.gathered(block) covers its sub-units)."""
-    parts = unit_name.split(".") if unit_name and unit_name != "<root>" else []
+    parts = unit_name.split(".") if unit_name and unit_name != ROOT else []
     yield model
     module = model
     for part in parts:

@@ -137,3 +137,34 @@ def test_strict_cross_checks_each_record_of_a_batch():
     liar = CrossCheckedStep(TABLE.spec, step, lying)
     with pytest.raises(AssertionError, match="strict: 'fetch' in AVAILABLE .* on 'p1'"):
         liar.many(TABLE, records, "fetch", ctx)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.sampled_from(["fetch", "arrive", "release", "prefetch"])),
+                    min_size=1, max_size=30),
+       limit=st.integers(min_value=1, max_value=12))
+def test_a_ring_of_unit_tuples_reads_as_the_last_n_transitions(ops, limit):
+    """``step_many`` keeps one raw tuple per unit; a ring must still read as exactly the last ``limit``
+    transitions of the whole trace (a tuple straddling the window's edge is cut), open with the snapshot
+    its window needs, replay clean, and count its records right."""
+    from paramfsm.core.trace import SNAPSHOT, replay
+
+    lifetimes = [Lifetime(f"p{i}", "u") for i in range(3)]
+    full, ring = Trace(0), Trace(0, limit=limit, lifetimes=lifetimes)
+    mirror = [Lifetime(f"p{i}", "u") for i in range(3)]
+    ctx_full, ctx_ring = StepContext(trace=full), StepContext(trace=ring)
+    for batched, event in ops:
+        for records, ctx in ((mirror, ctx_full), (lifetimes, ctx_ring)):
+            try:
+                if batched and step_many(TABLE, records, event, ctx) is not None:
+                    continue
+                for rec in records:
+                    step(TABLE, rec, event, ctx)
+            except IllegalTransition:
+                pass
+    kept = [r for r in ring.records if r.event != SNAPSHOT]
+    want = full.records[-limit:]
+    assert [(r.seq, r.param, r.event, r.src, r.dst, r.holds) for r in kept] == \
+        [(r.seq, r.param, r.event, r.src, r.dst, r.holds) for r in want]
+    assert len(ring) == len(want) and ring.appended == full.appended
+    assert replay(ring.records, TABLE) is None

@@ -104,10 +104,13 @@ class Trace:
     :func:`paramfsm.core.fsm.step` calls :meth:`append` with the raw facts of a
     transition; they are kept as one tuple (no record object, no string
     formatting) and become :class:`TraceRecord` only when read, so keeping a
-    trace costs about one tuple per transition.
+    trace costs about one tuple per transition. :func:`~paramfsm.core.fsm.step_many`
+    keeps one tuple for the whole unit (:meth:`append_many`): the records and
+    their holders before the step, one transition each when read.
 
     * ``limit=N``: a ring of the last N transitions (the flight recorder). Its
-      memory does not grow with the run. Once it has dropped records, reading
+      memory does not grow with the run: it holds N raw tuples, and reading
+      it keeps the last N transitions they make. Once it has dropped records, reading
       it starts with :data:`SNAPSHOT` records that give each parameter's state
       and holders where the window opens, so the window replays through the
       spec from its first record like a whole trace does.
@@ -134,11 +137,13 @@ class Trace:
         self.lifetimes = tuple(lifetimes)
         self._loaded: list[TraceRecord] = list(records)
         self._done: list[TraceRecord] = []  # materialised raw entries (unbounded mode)
-        self._raw: deque | list = deque(maxlen=limit) if limit is not None else []
+        self._done_raw = 0  # raw entries materialised into _done
+        self._raw: deque | list = deque() if limit is not None else []
         self._seq = 0  # the seq of the next transition appended
-        self._seen = 0  # transitions appended so far (the next seq)
+        self._cleared = 0  # the seq of the first transition after the last clear()
+        # At this seq a ring drops what its window no longer needs and a stream writes (_trim).
+        self._next_trim = float("inf") if limit is None else limit
         self._out = None
-        self._push = self._raw.append
         self._about: dict = {}  # a streamed trace's JSON for each parameter's constant fields
         self._effects: dict = {}  # ... and for each effects tuple
         if self.path is not None:
@@ -146,7 +151,7 @@ class Trace:
                 raise ValueError("a streamed trace keeps every record: give limit or path, not both")
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._out = self.path.open("w", encoding="utf-8")
-            self._push = self._stream_push
+            self._next_trim = STREAM_BATCH
 
     @property
     def mode(self) -> str:
@@ -157,22 +162,46 @@ class Trace:
         """Called by :func:`paramfsm.core.fsm.step` for each transition while tracing is on."""
         seq = self._seq
         self._seq = seq + 1
-        self._push((seq, t_ns, ctx.step, ctx.graph_task, rec, event, src, dst, effects, keep_graph, retained, holds))
+        self._raw.append((seq, t_ns, ctx.step, ctx.graph_task, rec, event, src, dst, effects, keep_graph, retained,
+                          holds))
+        if seq >= self._next_trim:
+            self._trim()
 
     def append_many(self, t_ns, ctx, records, event, src, dst, effects, keep_graph, retained) -> None:
-        """:meth:`append` for each of ``records`` (one transition each, their holders read before it),
+        """One transition for each of ``records`` (their holders read before it), kept as one tuple;
         called by :func:`paramfsm.core.fsm.step_many` before it moves them."""
-        push, seq, step, task = self._push, self._seq, ctx.step, ctx.graph_task
-        for rec in records:
-            push((seq, t_ns, step, task, rec, event, src, dst, effects, keep_graph, retained, rec.holds))
-            seq += 1
-        self._seq = seq
+        seq = self._seq
+        self._seq = seq + len(records)
+        self._raw.append((seq, t_ns, ctx.step, ctx.graph_task,
+                          records if records.__class__ is tuple else tuple(records),
+                          event, src, dst, effects, keep_graph, retained, [rec.holds for rec in records]))
+        if seq >= self._next_trim:
+            self._trim()
 
-    def _stream_push(self, entry) -> None:
-        raw = self._raw
-        raw.append(entry)
-        if len(raw) >= STREAM_BATCH:
+    @staticmethod
+    def _transitions(raw) -> Iterator[tuple]:
+        """The raw entries one transition each (a unit's tuple from :meth:`append_many` becomes one per record)."""
+        for e in raw:
+            holds = e[11]
+            if holds.__class__ is not list:
+                yield e
+                continue
+            seq, t_ns, step, task, records, event, src, dst, effects, keep_graph, retained, _ = e
+            for i, (rec, held) in enumerate(zip(records, holds)):
+                yield seq + i, t_ns, step, task, rec, event, src, dst, effects, keep_graph, retained, held
+
+    def _trim(self) -> None:
+        """A stream writes what it buffered; a ring drops the oldest entries that the last ``limit``
+        transitions do not need. Both run once per ``limit`` (or STREAM_BATCH) transitions, so a ring
+        holds at most twice its limit."""
+        if self.path is not None:
             self.flush()
+            self._next_trim = self._seq + STREAM_BATCH
+            return
+        raw, start = self._raw, self._seq - self.limit
+        while len(raw) > 1 and raw[1][0] <= start:
+            raw.popleft()
+        self._next_trim = self._seq + self.limit
 
     def _record(self, e) -> TraceRecord:
         seq, t_ns, step, graph_task, rec, event, src, dst, effects, keep_graph, retained, holds = e
@@ -186,28 +215,29 @@ class Trace:
             self.flush()
             return self._loaded + list(iter_jsonl(self.path))
         if self.limit is not None:
-            return self._loaded + self._snapshot() + [self._record(e) for e in self._raw]
+            window = list(self._transitions(self._raw))[-self.limit:]
+            return self._loaded + self._snapshot(window) + [self._record(e) for e in window]
         raw, done = self._raw, self._done
-        if len(done) < len(raw):
-            done.extend(self._record(e) for e in raw[len(done):])
+        if self._done_raw < len(raw):
+            done.extend(self._record(e) for e in self._transitions(raw[self._done_raw:]))
+            self._done_raw = len(raw)
         return self._loaded + done
 
-    def _snapshot(self) -> list[TraceRecord]:
+    def _snapshot(self, window: list) -> list[TraceRecord]:
         """Where a ring's window opens, for the parameters not resting there (empty if nothing was dropped).
 
         A parameter's state at the window's start is the source of its first
         record in the window; one without records is where it is now.
         """
-        raw = self._raw
-        first_seq = raw[0][0] if raw else self.appended
+        first_seq = window[0][0] if window else self.appended
         if first_seq == 0:
             return []
         start: dict = {}
-        for e in raw:
+        for e in window:
             start.setdefault(e[4], (e[6], e[11]))
         for rec in self.lifetimes:
             start.setdefault(rec, (rec.state, rec.holds))
-        t_ns, step, graph_task = (raw[0][1], raw[0][2], raw[0][3]) if raw else (0, 0, -1)
+        t_ns, step, graph_task = (window[0][1], window[0][2], window[0][3]) if window else (0, 0, -1)
         return [TraceRecord(first_seq, t_ns, self.rank, step, graph_task, rec.name, rec.unit, SNAPSHOT,
                             state.name, state.name, (), False, False, holds, rec.nbytes, self.digest, self.coord)
                 for rec, (state, holds) in start.items() if state.name != _RESTING or holds]
@@ -215,16 +245,14 @@ class Trace:
     @property
     def appended(self) -> int:
         """Transitions appended so far (the seq the next one gets)."""
-        raw = self._raw
-        return raw[-1][0] + 1 if raw else self._seen
+        return self._seq
 
     def flush(self) -> None:
         """A streamed trace: write the buffered records now (cheap when nothing is buffered)."""
         out, raw = self._out, self._raw
         if out is None or not raw:
             return
-        self._seen = raw[-1][0] + 1
-        out.write("".join(map(self._line, raw)))
+        out.write("".join(map(self._line, self._transitions(raw))))
         out.flush()
         raw.clear()
 
@@ -250,14 +278,14 @@ class Trace:
         if self._out is not None:
             self._out.close()
             self._out = None
-            self._push = self._raw.append
+            self._next_trim = float("inf")
 
     def clear(self) -> None:
         """Forget every record kept (a streamed trace starts its file again)."""
-        if self._raw:
-            self._seen = self._raw[-1][0] + 1
+        self._cleared = self._seq
         self._raw.clear()
         self._done.clear()
+        self._done_raw = 0
         self._loaded.clear()
         if self._out is not None:
             self._out.seek(0)
@@ -267,7 +295,8 @@ class Trace:
         """Records kept (for a stream, every record written or buffered)."""
         if self.path is not None:
             return self.appended
-        return len(self._loaded) + len(self._raw)
+        kept = self._seq - self._cleared
+        return len(self._loaded) + (kept if self.limit is None else min(kept, self.limit))
 
     def count(self, effect: str, **match) -> int:
         """How many records carry ``effect`` and match every ``field=value`` given."""

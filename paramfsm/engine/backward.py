@@ -49,6 +49,20 @@ A nested graph task (the backward that reentrant checkpointing runs inside
 the outer one) does not complete the reduce-scatters: its gradients join the
 outer backward's buckets, and everything is completed once, when the
 outermost task ends. Nothing reads shard gradients in between.
+
+[Note: accumulated gradients are stepped together]
+``GRAD_READY`` comes once per parameter, from its post-accumulate-grad hook,
+and a unit's parameters finish within one node's backward. So the event is
+queued (``_ready``) and every queued parameter is stepped at once
+(``grad_ready`` for all of them, then the releases of their gradient holds,
+one table lookup each: see [Note: one lookup for a unit]) just before the
+scheduler applies its next event of any other kind: the unit's post-backward,
+the next unit's pre-backward, or the end of the graph task, which always
+comes. Relative to every other event the order is unchanged, and so is each
+parameter's own sequence of transitions; the gradient leaves the parameter
+at most one event later. A parameter that is queued again, or one of
+another graph task, drains the queue first, so each parameter is stepped
+once per drain with the holders it really has.
 """
 
 from __future__ import annotations
@@ -101,11 +115,28 @@ class BackwardHandlers:
         self.fetch(unit, self.bwd_plan if planned else None, ts.passes if planned else None)
 
     def _on_grad_ready(self, ev: Event) -> None:
+        """Queue a parameter whose gradient autograd accumulated: see [Note: accumulated gradients are
+        stepped together]."""
         ts = self._begin_task(ev.graph_task, ev.keep_graph)
-        rec = ev.record
-        self._step(rec, "grad_ready")
-        if ts.grad_holds.pop(rec, 0) is None:
-            self._step(rec, "release", ts.keep_graph and self.defer_allowed)
+        ready = self._ready
+        if ready and (ts is not self._ready_task or ev.record in ready):
+            self.drain_ready()
+        ready[ev.record] = None
+        self._ready_task, self._ready_graph_task = ts, ev.graph_task
+
+    def drain_ready(self) -> None:
+        """Step every queued ``GRAD_READY``: ``grad_ready`` (its gradient leaves for the reduce bucket),
+        then the release of its gradient hold."""
+        records, ts = tuple(self._ready), self._ready_task
+        self._ready.clear()
+        self._ready_task = None  # it holds the task's forward calls, which must be free to be collected
+        ctx = self.ctx
+        current, ctx.graph_task = ctx.graph_task, self._ready_graph_task
+        self._step_all(records, "grad_ready")
+        holds = ts.grad_holds
+        self._step_all([rec for rec in records if holds.pop(rec, 0) is None], "release",
+                       ts.keep_graph and self.defer_allowed)
+        ctx.graph_task = current
 
     def _on_backward_end(self, ev: Event) -> None:
         ts = self.tasks.pop(ev.graph_task, None)

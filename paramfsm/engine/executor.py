@@ -79,23 +79,28 @@ class Executor(Gathers):
         self.unit_names: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ effects
-    def install(self, rec) -> None:
+    # Each effect takes the records it applies to: one call per unit (see [Note: one lookup for a unit]).
+    def install(self, records) -> None:
         """The unpack effect: the staged full tensor becomes ``param.data``."""
-        if rec.staged is None:
-            self.wait_gather(rec.pending)
-        placeholder.reveal(rec.param)
-        rec.param.data = rec.staged
-        rec.staged = None
-        rec.pending = None
+        reveal = placeholder.reveal
+        for rec in records:
+            if rec.staged is None:
+                self.wait_gather(rec.pending)
+            param = rec.param
+            reveal(param)
+            param.data = rec.staged
+            rec.staged = None
+            rec.pending = None
 
-    def discard(self, rec) -> None:
+    def discard(self, records) -> None:
         """The discard_gather effect: complete the collective (every rank joined it), drop the result."""
-        if rec.pending is not None:
-            self.wait_gather(rec.pending)
-        rec.staged = None
-        rec.pending = None
+        for rec in records:
+            if rec.pending is not None:
+                self.wait_gather(rec.pending)
+            rec.staged = None
+            rec.pending = None
 
-    def free(self, rec) -> None:
+    def free(self, records) -> None:
         """The free effect: ``param.data`` becomes an empty placeholder; only the shard stays live.
 
         The placeholder has the compute dtype (``param_dtype``, else the shard's), so a
@@ -103,39 +108,43 @@ class Executor(Gathers):
         always sees gradients of the dtype it recorded. It raises
         :class:`~paramfsm.errors.NotGathered` when used (see :mod:`paramfsm.engine.placeholder`).
         """
-        shard = rec.shard
-        key = (self.param_dtype or shard.dtype, shard.device)
-        empty = self._empty.get(key)
-        if empty is None:
-            empty = self._empty[key] = torch.empty(0, dtype=key[0], device=key[1])
-        rec.param.data = empty
-        placeholder.conceal(rec.param)
-        full = rec.full
-        if full is not None:
-            storage = full.untyped_storage()
-            if storage.nbytes():
-                storage.resize_(0)
+        conceal, dtype = placeholder.conceal, self.param_dtype
+        for rec in records:
+            shard = rec.shard
+            key = (dtype or shard.dtype, shard.device)
+            empty = self._empty.get(key)
+            if empty is None:
+                empty = self._empty[key] = torch.empty(0, dtype=key[0], device=key[1])
+            param = rec.param
+            param.data = empty
+            conceal(param)
+            full = rec.full
+            if full is not None:
+                storage = full.untyped_storage()
+                if storage.nbytes():
+                    storage.resize_(0)
 
     # ------------------------------------------------------------------ reduce
-    def take_grad(self, rec) -> None:
-        """The reduce_grad effect: move ``param.grad`` into the pending reduce bucket."""
-        grad = real_grad(rec.param)
-        if grad is None:
-            return
-        set_real_grad(rec.param, None)
-        owned = not grad.requires_grad
-        grad = grad if owned else grad.detach()
-        if self.local:
-            self._accumulate(rec, grad.reshape(-1))
-            return
-        size = grad.numel() * grad.element_size()
-        if size >= self.bucket_bytes:  # a bucket of its own: see [Note: a big gradient is reduced in place]
-            self._reduce([(rec, grad if owned else grad.clone())])
-            return
-        self._grads.append((rec, grad))
-        self._grad_bytes += size
-        if self._grad_bytes >= self.bucket_bytes:
-            self.flush_grads()
+    def take_grad(self, records) -> None:
+        """The reduce_grad effect: move each ``param.grad`` into the pending reduce bucket."""
+        for rec in records:
+            grad = real_grad(rec.param)
+            if grad is None:
+                continue
+            set_real_grad(rec.param, None)
+            owned = not grad.requires_grad
+            grad = grad if owned else grad.detach()
+            if self.local:
+                self._accumulate(rec, grad.reshape(-1))
+                continue
+            size = grad.numel() * grad.element_size()
+            if size >= self.bucket_bytes:  # a bucket of its own: see [Note: a big gradient is reduced in place]
+                self._reduce([(rec, grad if owned else grad.clone())])
+                continue
+            self._grads.append((rec, grad))
+            self._grad_bytes += size
+            if self._grad_bytes >= self.bucket_bytes:
+                self.flush_grads()
 
     def flush_grads(self) -> None:
         """Issue one async reduce-scatter for every pending gradient."""

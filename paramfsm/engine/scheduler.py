@@ -9,6 +9,19 @@ deferred-bytes bound, per-graph-task bookkeeping, and the leak audit.
 
 The backward handlers live in :mod:`paramfsm.engine.backward`.
 
+[Note: the root stays gathered for its backward]
+The root unit's forward ends last and its backward begins first: only the
+loss runs in between. Releasing it after forward and gathering it again at
+once would cost one all-gather, and a free and an install per parameter, per
+step for nothing (for a model that is one unit, half its collectives). So a
+root forward that joined an autograd graph releases the root's parameters
+deferred (DEFERRED_RELEASE, as in a retained-graph window: counted against
+``max_deferred_bytes``, flushed by ``rt.flush()``), and its pre-backward takes
+them back. If no backward comes, the next root forward flushes them, and the
+collection of the graph returns them (``GRAPH_FREED``). ``retain="regather"``
+turns this off with every other deferral. FSDP2 does the same for its root
+(``reshard_after_forward=False``).
+
 [Note: flushing deferred parameters at a new forward]
 A new root forward (outside backward) flushes every deferred parameter. An
 optimizer step may have changed the shards since they were gathered, so a
@@ -33,6 +46,7 @@ from paramfsm.engine.events import (
     POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event, TaskState,
 )
 from paramfsm.engine.plan import PassState, Plan
+from paramfsm.engine.units import ROOT
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +70,7 @@ class Scheduler(BackwardHandlers):
         self.deferred_bytes = 0
         self.peak_deferred_bytes = 0
         self.tasks: dict[int, TaskState] = {}
+        self.root = next((u for u in units if u.name == ROOT), None)  # [Note: the root stays gathered ...]
         self.forward = PassState()
         self.forward_open = False
         self.fwd_plan = Plan((), units, bucket_bytes)
@@ -72,13 +87,17 @@ class Scheduler(BackwardHandlers):
         self._queue: deque = deque()
         self._draining = False
         self._gather_batch: list = []
+        # Parameters whose GRAD_READY is queued, and their task: [Note: accumulated gradients are stepped together].
+        self._ready: dict = {}
+        self._ready_task = self._ready_graph_task = None
+        # Effect -> what runs it, for a sequence of records.
         self._effects = {
-            "start_gather": self._gather_batch.append,
+            "start_gather": self._gather_batch.extend,
             "unpack": executor.install,
             "discard_gather": executor.discard,
             "free": executor.free,
-            "defer": self._defer,
-            "undefer": self._undefer,
+            "defer": self._defer_all,
+            "undefer": self._undefer_all,
             "reduce_grad": executor.take_grad,
         }
         self._handlers = {
@@ -100,15 +119,21 @@ class Scheduler(BackwardHandlers):
             return
         self._draining = True
         try:
-            queue, handlers, ctx = self._queue, self._handlers, self.ctx
+            queue, handlers, ctx, ready = self._queue, self._handlers, self.ctx, self._ready
+            if ready and event.kind is not GRAD_READY:
+                self.drain_ready()
             ctx.graph_task = event.graph_task
             handlers[event.kind](event)
             while queue:
                 ev = queue.popleft()
+                if ready and ev.kind is not GRAD_READY:
+                    self.drain_ready()
                 ctx.graph_task = ev.graph_task
                 handlers[ev.kind](ev)
         except BaseException as exc:
             self._queue.clear()
+            self._ready.clear()
+            self._ready_task = None
             if isinstance(exc, Exception):
                 self.report_failure(exc)
             raise
@@ -125,9 +150,9 @@ class Scheduler(BackwardHandlers):
     def _step(self, rec, event: str, keep_graph: bool = False, retained: bool = False) -> None:
         effects = self._stepper(self.table, rec, event, self.ctx, keep_graph, retained)
         if effects:
-            run = self._effects
+            run, records = self._effects, (rec,)
             for effect in effects:
-                run[effect](rec)
+                run[effect](records)
 
     def _step_all(self, records, event: str, keep_graph: bool = False, retained: bool = False) -> None:
         """``_step`` for every record of a unit: one table lookup when they share their situation
@@ -144,12 +169,7 @@ class Scheduler(BackwardHandlers):
         elif effects:
             run = self._effects
             for effect in effects:
-                if effect == "start_gather":
-                    self._gather_batch.extend(records)
-                    continue
-                apply = run[effect]
-                for rec in records:
-                    apply(rec)
+                run[effect](records)
 
     def _issue(self) -> None:
         """Issue one all-gather for every record that asked for start_gather in this decision."""
@@ -215,6 +235,14 @@ class Scheduler(BackwardHandlers):
                         self._step(rec, "abandon")
 
     # ---------------------------------------------------------------- deferral
+    def _defer_all(self, records) -> None:
+        for rec in records:
+            self._defer(rec)
+
+    def _undefer_all(self, records) -> None:
+        for rec in records:
+            self._undefer(rec)
+
     def _defer(self, rec) -> None:
         self.deferred[rec] = None
         self.deferred_bytes += rec.nbytes
@@ -274,7 +302,7 @@ class Scheduler(BackwardHandlers):
         if ev.call is not None:
             ev.unit.live_graphs += 1
         if ev.graph_task == gt.NO_TASK:
-            self.release(ev.unit, False)
+            self.release(ev.unit, ev.unit is self.root and ev.call is not None)
         # A recomputation keeps its hold until the unit's backward: see [Note: a forward recomputed ...].
 
     # ---------------------------------------------------------------- called by the runtime
@@ -301,6 +329,8 @@ class Scheduler(BackwardHandlers):
         log.warning("paramfsm: resetting gathered parameters on rank %d: %s", self.ctx.rank, why)
         self.report_failure(None, "interrupted")
         self._queue.clear()
+        self._ready.clear()
+        self._ready_task = None
         self.tasks.clear()
         self.forward_open = False
         self.executor.abort_reduces()

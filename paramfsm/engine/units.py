@@ -49,6 +49,10 @@ class ParamRecord(Lifetime):
         return f"<ParamRecord {self.name} {self.state.name} holds={self.holds}>"
 
 
+#: The name of the unit of the model itself.
+ROOT = "<root>"
+
+
 class Unit:
     """A module whose parameters are gathered in one collective."""
 
@@ -56,7 +60,7 @@ class Unit:
 
     def __init__(self, index: int, name: str, module: nn.Module, records: Sequence[ParamRecord]):
         self.index = index
-        self.name = name or "<root>"
+        self.name = name or ROOT
         self.module = module
         self.records = tuple(records)
         self.nbytes = sum(r.nbytes for r in self.records)

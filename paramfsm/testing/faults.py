@@ -70,7 +70,7 @@ def _release_in_retained_window():
     def make(original):
         def _defer(self, rec):
             original(self, rec)
-            self.executor.free(rec)
+            self.executor.free((rec,))
         return _defer
     return _patched(Scheduler, "_defer", make)
 
@@ -106,12 +106,13 @@ def _deferred_never_flushed():
 
 def _tied_reduced_twice():
     def make(original):
-        def take_grad(self, rec):
-            grad = real_grad(rec.param)
-            original(self, rec)
-            for _ in rec.units[1:]:
-                set_real_grad(rec.param, grad)
-                original(self, rec)
+        def take_grad(self, records):
+            for rec in records:
+                grad = real_grad(rec.param)
+                original(self, (rec,))
+                for _ in rec.units[1:]:
+                    set_real_grad(rec.param, grad)
+                    original(self, (rec,))
         return take_grad
     return _patched(Executor, "take_grad", make)
 
@@ -162,7 +163,7 @@ def _deferred_reuse_regathers():
 
 
 def _released_data_not_emptied():
-    return _patched(Executor, "free", lambda original: lambda self, rec: None)
+    return _patched(Executor, "free", lambda original: lambda self, records: None)
 
 
 def _final_callback_once_per_process():
