@@ -53,6 +53,14 @@ def keeps_graph() -> bool:
     return bool(explicit_keep_graph and explicit_keep_graph[-1])  # pragma: no cover
 
 
+# Hooks call these on every unit of every step: where torch has the private queries, they are
+# the queries themselves, with no Python frame in between (the same answers as above).
+if _task_id is not None:
+    current_task = _task_id  # noqa: F811
+if _keep_graph is not None:
+    keeps_graph = _keep_graph  # noqa: F811
+
+
 def queue_final_callback(callback) -> None:
     """Run ``callback`` when the running graph task finishes (after every node and hook)."""
     Variable._execution_engine.queue_callback(callback)

@@ -150,16 +150,18 @@ def _route_inputs(emit, unit, tensors: list, link: tuple | None = None):
     route them through :class:`_PostBackward`, whose single node fires after
     all of them.
     """
-    if len(tensors) == 1 and tensors[0].grad_fn is not None:
-        if link is not None and tensors[0].grad_fn is link[0]:
-            call = link[1]
-            if call.after is None:
-                call.after = [unit]
-            else:
-                call.after.append(unit)
+    if len(tensors) == 1:
+        node = tensors[0].grad_fn
+        if node is not None:
+            if link is not None and node is link[0]:
+                call = link[1]
+                if call.after is None:
+                    call.after = [unit]
+                else:
+                    call.after.append(unit)
+                return None
+            tensors[0].register_hook(partial(_on_input_grad, emit, unit))
             return None
-        tensors[0].register_hook(partial(_on_input_grad, emit, unit))
-        return None
     return _PostBackward.apply(emit, unit, *tensors)
 
 
@@ -173,6 +175,12 @@ def _pre_forward(emit, unit, chain, module, args, kwargs):
         chain.node = chain.call = None
     if not torch.is_grad_enabled():
         return None
+    if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+        # The most common call, one tensor: [Note: a chain of units shares one hook] when it is linked.
+        if not args[0].requires_grad:
+            return None
+        routed = _route_inputs(emit, unit, list(args), link)
+        return None if routed is None else (routed, kwargs)
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
         # Fast path for the common positional-tensors call: no pytree round trip.
         positions = [i for i, a in enumerate(args) if a.requires_grad]
@@ -202,7 +210,8 @@ def _post_forward(emit, unit, chain, module, args, output):
     task = gt.current_task()
     if torch.is_grad_enabled():
         if isinstance(output, torch.Tensor):
-            nodes = [output.grad_fn] if output.grad_fn is not None else []
+            node = output.grad_fn
+            nodes = [node] if node is not None else []
         else:
             flat, _ = tree_flatten(output)
             nodes = list({id(t.grad_fn): t.grad_fn for t in flat
@@ -221,7 +230,7 @@ def _post_forward(emit, unit, chain, module, args, output):
 
 
 def _on_grad_accumulated(emit, record, param):
-    emit(Event(GRAD_READY, graph_task=gt.backward_task(), keep_graph=gt.keeps_graph(), record=record))
+    emit(Event(GRAD_READY, None, gt.backward_task(), gt.keeps_graph(), record))
 
 
 def _root_forward_end(emit, chain, module, args, output) -> None:
