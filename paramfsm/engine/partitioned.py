@@ -37,6 +37,8 @@ from paramfsm.engine import hooks
 from paramfsm.errors import NotGathered, ParamFSMError
 
 _TENSOR_GRAD = torch._C.TensorBase.grad
+#: ``nn.Parameter``'s (and so a gathered partitioned parameter's) ``__torch_function__``: none at all.
+_NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
 _TENSOR_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
 _TENSOR_REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
 
@@ -85,11 +87,16 @@ def record_of(tensor):
 
 def real_grad(param: torch.Tensor):
     """Autograd's own ``.grad`` of ``param`` (what AccumulateGrad wrote), bypassing the shard view."""
+    if param.__class__.__torch_function__ is _NO_TORCH_FUNCTION:  # a gathered parameter: nothing to bypass
+        return _TENSOR_GRAD.__get__(param)
     with DisableTorchFunctionSubclass():
         return _TENSOR_GRAD.__get__(param)
 
 
 def set_real_grad(param: torch.Tensor, value) -> None:
+    if param.__class__.__torch_function__ is _NO_TORCH_FUNCTION:
+        _TENSOR_GRAD.__set__(param, value)
+        return
     with DisableTorchFunctionSubclass():
         _TENSOR_GRAD.__set__(param, value)
 
