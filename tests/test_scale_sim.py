@@ -1,5 +1,5 @@
 """``benchmarks/scale_sim.py`` at a small world: the fake group runs the runtime, and the bytes per step
-match ZeRO-3's formula (3 x parameter bytes x (N-1)/N, less the root's re-gather)."""
+match ZeRO-3's formula (3 x parameter bytes x (N-1)/N)."""
 
 from __future__ import annotations
 

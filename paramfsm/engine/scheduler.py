@@ -9,19 +9,6 @@ deferred-bytes bound, per-graph-task bookkeeping, and the leak audit.
 
 The backward handlers live in :mod:`paramfsm.engine.backward`.
 
-[Note: the root stays gathered for its backward]
-The root unit's forward ends last and its backward begins first: only the
-loss runs in between. Releasing it after forward and gathering it again at
-once would cost one all-gather, and a free and an install per parameter, per
-step for nothing (for a model that is one unit, half its collectives). So a
-root forward that joined an autograd graph releases the root's parameters
-deferred (DEFERRED_RELEASE, as in a retained-graph window: counted against
-``max_deferred_bytes``, flushed by ``rt.flush()``), and its pre-backward takes
-them back. If no backward comes, the next root forward flushes them, and the
-collection of the graph returns them (``GRAPH_FREED``). ``retain="regather"``
-turns this off with every other deferral. FSDP2 does the same for its root
-(``reshard_after_forward=False``).
-
 [Note: flushing deferred parameters at a new forward]
 A new root forward (outside backward) flushes every deferred parameter. An
 optimizer step may have changed the shards since they were gathered, so a
@@ -46,7 +33,6 @@ from paramfsm.engine.events import (
     POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event, TaskState,
 )
 from paramfsm.engine.plan import PassState, Plan
-from paramfsm.engine.units import ROOT
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +56,6 @@ class Scheduler(BackwardHandlers):
         self.deferred_bytes = 0
         self.peak_deferred_bytes = 0
         self.tasks: dict[int, TaskState] = {}
-        self.root = next((u for u in units if u.name == ROOT), None)  # [Note: the root stays gathered ...]
         self.forward = PassState()
         self.forward_open = False
         self.fwd_plan = Plan((), units, bucket_bytes)
@@ -302,7 +287,7 @@ class Scheduler(BackwardHandlers):
         if ev.call is not None:
             ev.unit.live_graphs += 1
         if ev.graph_task == gt.NO_TASK:
-            self.release(ev.unit, ev.unit is self.root and ev.call is not None)
+            self.release(ev.unit, False)
         # A recomputation keeps its hold until the unit's backward: see [Note: a forward recomputed ...].
 
     # ---------------------------------------------------------------- called by the runtime
