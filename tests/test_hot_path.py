@@ -91,6 +91,39 @@ def all_gather_job(rank, world):
     return rows
 
 
+def posting_thread_job(rank, world):
+    """Which thread posted each send and receive of an all-gather and a reduce-scatter, and their results."""
+    import threading
+
+    import torch.distributed as dist
+
+    posted, originals = [], (dist.isend, dist.irecv)
+
+    def spy(original):
+        return lambda *args, **kwargs: (posted.append(threading.current_thread().name), original(*args, **kwargs))[1]
+
+    dist.isend, dist.irecv = spy(originals[0]), spy(originals[1])
+    try:
+        shard = torch.arange(4, dtype=torch.float32) + 10 * rank
+        gathered = torch.empty(4 * world)
+        all_gather_flat(gathered, shard, None).wait()
+        summed = torch.empty(4)
+        reduce_scatter_flat(summed, torch.arange(8, dtype=torch.float32) * (rank + 1), None).wait()
+    finally:
+        dist.isend, dist.irecv = originals
+    want_sum = (torch.arange(8, dtype=torch.float32) * 3)[rank * 4:(rank + 1) * 4]
+    return posted, torch.equal(gathered, torch.cat([torch.arange(4.0) + 10 * r for r in range(world)])), \
+        torch.equal(summed, want_sum)
+
+
+def test_exchanges_are_posted_off_the_callers_thread(ranks2):
+    """[Note: an exchange is posted off the caller's thread]: every send and receive of an exchange is
+    posted by the exchange thread, never by the caller's, and the results are the collectives' own."""
+    for rank, (posted, gathered_ok, summed_ok) in enumerate(ranks2.run(posting_thread_job)):
+        assert len(posted) == 4 and set(posted) == {"paramfsm-exchange"}, (rank, posted)
+        assert gathered_ok and summed_ok, rank
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_gather_by_exchange(ranks2, ranks3, world):
     """All-gathers on gloo are exchanged point to point; two in flight at once keep their messages

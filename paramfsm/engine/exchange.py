@@ -24,11 +24,31 @@ other's messages. A rank that skipped an exchange waits for a message that
 never comes, which the waiter's time limit turns into ``CollectiveTimeout``;
 the rank-order check catches it earlier, in the bucket's packed part.
 Collectives never read FSM state, and neither does this module.
+
+[Note: an exchange is posted off the caller's thread]
+Posting a gloo send of a large shard does much of the copying on the thread
+that posts it: during a step of 16 x Linear(1024) at world 2, posting an
+exchange of a 2 MiB shard held the compute thread for about 0.8 ms (70 us
+alone on an idle machine), and a step posts 49 of them, so prefetching
+overlapped little. One daemon thread per process therefore posts the
+sends and receives, in the order they were submitted, and the caller goes
+on at once; ``Exchange.wait`` first takes the posted work handles from it,
+within the same time limit. Pairing does not depend on the thread: each
+exchange's tag is taken on the caller's thread, in program order. Only these
+point-to-point exchanges go through the thread; collectives, whose pairing is
+their order, stay on the caller's. Measured on the same model (median step,
+best of 3 rounds, three runs): 0.59x, 0.56x and 0.54x FSDP2 posted on the thread,
+against 0.64x and 0.60x (two runs) posted by the caller.
 """
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
 import weakref
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 import torch.distributed as dist
@@ -86,23 +106,66 @@ def _global(group, rank: int) -> int:
     return peer
 
 
+class _Issuer:
+    """A daemon thread that posts exchanges in the order they are submitted (see [Note: an exchange is
+    posted off the caller's thread]). Daemon, so a send stuck on a dead peer never holds up exit."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue | None = None
+        os.register_at_fork(after_in_child=self._forget)  # a forked child starts without the thread
+
+    def _forget(self) -> None:
+        self._queue = None
+
+    def submit(self, ops) -> Future:
+        """Post ``ops`` ((isend or irecv, tensor, global peer, group, tag), ...) on the thread."""
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            threading.Thread(target=self._run, args=(self._queue,), name="paramfsm-exchange", daemon=True).start()
+        posted: Future = Future()
+        self._queue.put((ops, posted))
+        return posted
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue) -> None:
+        while True:
+            ops, posted = jobs.get()
+            try:
+                posted.set_result([post(tensor, peer, group, tag) for post, tensor, peer, group, tag in ops])
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                posted.set_exception(exc)
+
+
+_issuer = _Issuer()
+
+
 class Exchange:
     """The handle of an exchange: ``wait`` waits for every send and receive, then finishes the result."""
 
-    def __init__(self, works, finish=None):
-        self.works, self.finish = works, finish
+    def __init__(self, issued, finish=None):
+        self.issued, self.finish = issued, finish
 
-    def wait(self, **kwargs) -> bool:
-        works, self.works = self.works, ()
-        for work in works:
-            work.wait(**kwargs)
+    def wait(self, timeout=None) -> bool:
+        """Wait for every send and receive (``timeout``: a timedelta, as gloo's ``Work.wait`` takes)."""
+        issued, self.issued = self.issued, None
+        if issued is not None:
+            try:
+                works = issued.result(timeout=None if timeout is None else timeout.total_seconds())
+            except FutureTimeout:
+                raise RuntimeError("paramfsm: posting a point-to-point exchange timed out") from None
+            for work in works:
+                if timeout is None:
+                    work.wait()
+                else:
+                    work.wait(timeout=timeout)
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
         return True
 
     def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
+        issued = self.issued
+        return issued is None or (issued.done() and all(work.is_completed() for work in issued.result()))
 
 
 def exchange_gather(out: torch.Tensor, inp: torch.Tensor, group, rank: int, world: int) -> Exchange:
@@ -114,9 +177,9 @@ def exchange_gather(out: torch.Tensor, inp: torch.Tensor, group, rank: int, worl
     for peer in range(world):
         if peer != rank:
             address = _global(group, peer)
-            ops.append(dist.P2POp(dist.isend, inp, address, group, tag))
-            ops.append(dist.P2POp(dist.irecv, out[peer * size:(peer + 1) * size], address, group, tag))
-    return Exchange(dist.batch_isend_irecv(ops))
+            ops.append((dist.isend, inp, address, group, tag))
+            ops.append((dist.irecv, out[peer * size:(peer + 1) * size], address, group, tag))
+    return Exchange(_issuer.submit(ops))
 
 
 def exchange_reduce(out: torch.Tensor, inp: torch.Tensor, group, rank: int) -> Exchange:
@@ -125,8 +188,6 @@ def exchange_reduce(out: torch.Tensor, inp: torch.Tensor, group, rank: int) -> E
     other = 1 - rank
     address = _global(group, other)
     tag = _next_tag(group)
-    works = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, inp[other * size:(other + 1) * size], address, group, tag),
-        dist.P2POp(dist.irecv, out, address, group, tag),
-    ])
-    return Exchange(works, lambda: out.add_(inp[rank * size:(rank + 1) * size]))
+    ops = [(dist.isend, inp[other * size:(other + 1) * size], address, group, tag),
+           (dist.irecv, out, address, group, tag)]
+    return Exchange(_issuer.submit(ops), lambda: out.add_(inp[rank * size:(rank + 1) * size]))
