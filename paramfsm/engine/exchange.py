@@ -32,8 +32,8 @@ exchange of a 2 MiB shard held the compute thread for about 0.8 ms (70 us
 alone on an idle machine), and a step posts 49 of them, so prefetching
 overlapped little. One daemon thread per process therefore posts the
 sends and receives, in the order they were submitted, and the caller goes
-on at once; ``Exchange.wait`` first takes the posted work handles from it,
-within the same time limit. Pairing does not depend on the thread: each
+on at once; ``Exchange.wait`` first takes the posted work handles from it
+(that wait has the time limit too, and past it ends as ``CollectiveTimeout``). Pairing does not depend on the thread: each
 exchange's tag is taken on the caller's thread, in program order. Only these
 point-to-point exchanges go through the thread; collectives, whose pairing is
 their order, stay on the caller's. Measured on the same model (median step,
