@@ -109,8 +109,9 @@ class Trace:
     their holders before the step, one transition each when read.
 
     * ``limit=N``: a ring of the last N transitions (the flight recorder). Its
-      memory does not grow with the run: it holds N raw tuples, and reading
-      it keeps the last N transitions they make. Once it has dropped records, reading
+      memory does not grow with the run: it trims itself once per N
+      transitions, so it holds the raw tuples of at most 2N, and reading it
+      gives the last N transitions. Once it has dropped records, reading
       it starts with :data:`SNAPSHOT` records that give each parameter's state
       and holders where the window opens, so the window replays through the
       spec from its first record like a whole trace does.

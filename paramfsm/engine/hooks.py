@@ -175,12 +175,6 @@ def _pre_forward(emit, unit, chain, module, args, kwargs):
         chain.node = chain.call = None
     if not torch.is_grad_enabled():
         return None
-    if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-        # The most common call, one tensor: [Note: a chain of units shares one hook] when it is linked.
-        if not args[0].requires_grad:
-            return None
-        routed = _route_inputs(emit, unit, list(args), link)
-        return None if routed is None else (routed, kwargs)
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
         # Fast path for the common positional-tensors call: no pytree round trip.
         positions = [i for i, a in enumerate(args) if a.requires_grad]
