@@ -27,6 +27,7 @@ This module imports neither ``torch`` nor ``cupy``; it is tested in milliseconds
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from collections import deque
 from typing import Mapping
@@ -37,14 +38,16 @@ from paramfsm.errors import IllegalTransition
 TRANSITION, IGNORE, ERROR = "transition", "ignore", "error"
 _HOLD_DELTA = {None: None, "+1": 1, "-1": -1, "0": 0}
 HISTORY = 6  # events kept per parameter for error messages and leak reports
+#: An outcome's tag -> (event, src name, dst name, effects): what history and trace entries name.
+TAGS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {}
 
 
 class Outcome:
     """What one (state, event, extended-state class) does: compiled from one spec row."""
 
-    __slots__ = ("kind", "dst", "effects", "hold", "reset", "reason", "entry")
+    __slots__ = ("kind", "dst", "effects", "hold", "reset", "reason", "entry", "tag")
 
-    def __init__(self, rule):
+    def __init__(self, rule, event: str = "", src: str = ""):
         self.kind = {TRANSITION: TRANSITION, IGNORE: IGNORE, ERROR: ERROR}[rule.kind]  # the module's constants
         self.dst = State[rule.dst] if rule.dst else None
         self.effects: tuple[str, ...] = rule.effects
@@ -53,6 +56,11 @@ class Outcome:
         self.hold = delta if delta else 0
         self.reason = rule.reason
         self.entry = rule.entry
+        # What a history entry and a trace entry say of this transition: one string (see TAGS), so
+        # the tuples that carry it are never tracked by the garbage collector ([Note: entries the
+        # collector never sees] in paramfsm.core.trace).
+        self.tag = sys.intern(f"{event}:{src}:{rule.dst or src}:{'+'.join(rule.effects)}")
+        TAGS[self.tag] = (event, src, rule.dst or src, rule.effects)
 
     def __repr__(self) -> str:
         target = f" -> {self.dst.name} {list(self.effects)}" if self.dst else ""
@@ -111,7 +119,7 @@ def compile_table(spec: Spec) -> Table:
         for event in spec.events:
             rules = spec.rules_for(state_spec.name, event)
             by_class: list[Outcome | None] = [None] * 12
-            compiled = {id(r): Outcome(r) for r in rules}
+            compiled = {id(r): Outcome(r, event, state_spec.name) for r in rules}
             for ext in extended_states(state_spec):
                 hit = next(r for r in rules if r.matches(*ext))
                 by_class[ext_class(*ext)] = compiled[id(hit)]
@@ -183,11 +191,10 @@ def step(table: Table, rec: Lifetime, event: str, ctx: StepContext,
         holds_before = rec.holds
         rec.state = cell.dst
         rec.holds = 0 if cell.reset else holds_before + cell.hold
-        rec.recent.append((ctx.step, ctx.graph_task, event, src, cell.dst))
+        rec.recent.append((ctx.step, ctx.graph_task, cell.tag))
         trace = ctx.trace
         if trace is not None:
-            trace.append(time.perf_counter_ns(), ctx, rec, event, src, cell.dst, cell.effects,
-                         keep_graph, retained, holds_before)
+            trace.append(time.perf_counter_ns(), ctx, rec, cell, keep_graph, retained, holds_before)
         return cell.effects
     if kind is IGNORE:
         return ()
@@ -210,25 +217,31 @@ def step_many(table: Table, records, event: str, ctx: StepContext,
         cell = table.cells[src][event]
     except KeyError:
         raise _illegal(first, event, ctx, f"the spec has no event {event!r}") from None
+    holds = first.holds
+    uniform = True  # every record holds exactly as many holders as the first
     if cell.__class__ is tuple:
-        holds = first.holds
         ext = 2 if holds > 1 else holds
         for rec in records:
             other = rec.holds
             if rec.state is not src or (2 if other > 1 else other) != ext:
                 return None
+            if other != holds:
+                uniform = False
         cell = cell[ext * 4 + keep_graph * 2 + retained]
     else:
         for rec in records:
             if rec.state is not src:
                 return None
+            if rec.holds != holds:
+                uniform = False
     kind = cell.kind
     if kind is TRANSITION:
-        dst, effects = cell.dst, cell.effects
         trace = ctx.trace
         if trace is not None:
-            trace.append_many(time.perf_counter_ns(), ctx, records, event, src, dst, effects, keep_graph, retained)
-        entry = (ctx.step, ctx.graph_task, event, src, dst)
+            trace.append_many(time.perf_counter_ns(), ctx, records, cell, keep_graph, retained,
+                              holds if uniform else tuple([rec.holds for rec in records]))
+        dst = cell.dst
+        entry = (ctx.step, ctx.graph_task, cell.tag)
         if cell.reset:
             for rec in records:
                 rec.state = dst
@@ -240,13 +253,23 @@ def step_many(table: Table, records, event: str, ctx: StepContext,
                 rec.state = dst
                 rec.holds += hold
                 rec.recent.append(entry)
-        return effects
+        return cell.effects
     if kind is IGNORE:
         return ()
     raise _illegal(first, event, ctx, f"{cell.reason} [{cell.entry}]")
 
 
+def history(rec: Lifetime) -> list[tuple]:
+    """``rec``'s recent transitions, oldest first, as (step, graph task, event, src, dst) with states."""
+    return [(s, g, event, State[src], State[dst]) for s, g, (event, src, dst, _) in map(_untag, rec.recent)]
+
+
+def _untag(entry: tuple) -> tuple:
+    step, graph_task, tag = entry
+    return step, graph_task, TAGS[tag]
+
+
 def _illegal(rec: Lifetime, event: str, ctx: StepContext, reason: str) -> IllegalTransition:
-    history = [f"step {s} graph_task {g}: {e}: {a.name} -> {b.name}" for s, g, e, a, b in rec.recent]
+    recent = [f"step {s} graph_task {g}: {e}: {a} -> {b}" for s, g, (e, a, b, _) in map(_untag, rec.recent)]
     return IllegalTransition(param=rec.name, unit=rec.unit, state=rec.state.name, event=event,
-                             rank=ctx.rank, reason=reason, holds=rec.holds, history=history)
+                             rank=ctx.rank, reason=reason, holds=rec.holds, history=recent)

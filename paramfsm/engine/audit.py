@@ -13,6 +13,7 @@ import logging
 
 import attrs
 
+from paramfsm.core.fsm import history
 from paramfsm.core.spec import State
 from paramfsm.errors import ParamFSMError
 
@@ -57,7 +58,7 @@ def audit_leaks(scheduler, strict: bool = False) -> list[Leak]:
             continue
         else:
             why = "deferred with no live retained graph"
-        leaks.append(Leak(rec.name, rec.unit, state, rec.holds, why, tuple(rec.recent)))
+        leaks.append(Leak(rec.name, rec.unit, state, rec.holds, why, tuple(history(rec))))
     if leaks:
         message = f"paramfsm leak audit on rank {scheduler.ctx.rank}, step {scheduler.ctx.step}: " + \
             f"{len(leaks)} parameter(s) still gathered after the final backward:\n  " + \
