@@ -13,6 +13,22 @@ threshold (``MALLOC_MMAP_THRESHOLD_``), so every large tensor is its own
 mapping, returned to the system when freed, and RSS follows tensor memory;
 the numbers are in MiB, rank 0 shown.
 
+[Note: resident memory counts code pages]
+The resident set also holds clean file-backed pages: the code and read-only
+data of torch's libraries, mapped in as they are first executed. They are
+shared, cost no allocation and are dropped by the kernel under pressure, but
+``VmHWM`` counts them, and the baseline decides whose they are: FSDP2's
+modules are imported before its baseline (its device mesh is built there),
+so its import pages are left out, while the library code that paramfsm's step
+runs for the first time after the baseline is counted. The "anon" columns
+leave file-backed pages out: the anonymous peak is ``VmHWM`` minus the
+file-backed and shared pages resident at the end, above the anonymous
+resident set at the baseline. Pages are only added while the measured steps
+run (nothing here makes the kernel evict them), so the pages resident at the
+peak are at most those at the end, and the anonymous peak is exact up to the
+file-backed pages first touched during the measured steps, which "code grew"
+reports (0.0 when every code path already ran in the first step).
+
     python benchmarks/memory.py [--steps 3]
 """
 
@@ -38,6 +54,11 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def _shared_kib() -> int:
+    """Resident pages that are not anonymous: file-backed (code, mapped files) and shared memory."""
+    return _status_kib("RssFile") + _status_kib("RssShmem")
+
+
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
         clear.write("5")
@@ -48,27 +69,36 @@ def _model() -> nn.Module:
     return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)))
 
 
-def _train(model, params, steps: int, baseline_kib: int) -> dict:
+def _train(model, params, steps: int, baseline: tuple[int, int]) -> dict:
+    """Train ``steps`` measured steps after one unmeasured; MiB above ``baseline`` (:func:`_start`)."""
+    baseline_kib, baseline_anon_kib = baseline
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
     x = torch.randn(BATCH, WIDTH)
-    setup_peak = 0
+    setup_peak = shared_after_first = 0
     for i in range(steps + 1):
         opt.zero_grad(set_to_none=True)
         model(x).pow(2).mean().backward()
         opt.step()
         if i == 0:  # set-up (building, sharding) and the first step allocate once; measure the rest
             setup_peak = _status_kib("VmHWM")
+            shared_after_first = _shared_kib()
             _reset_peak()
-    return {"peak_mib": (_status_kib("VmHWM") - baseline_kib) / 1024,
+    peak, rss, shared = _status_kib("VmHWM"), _status_kib("VmRSS"), _shared_kib()
+    return {"peak_mib": (peak - baseline_kib) / 1024,
             "setup_peak_mib": (setup_peak - baseline_kib) / 1024,
-            "between_steps_mib": (_status_kib("VmRSS") - baseline_kib) / 1024}
+            "between_steps_mib": (rss - baseline_kib) / 1024,
+            # [Note: resident memory counts code pages]
+            "anon_peak_mib": (peak - shared - baseline_anon_kib) / 1024,
+            "anon_between_mib": (rss - shared - baseline_anon_kib) / 1024,
+            "code_grew_mib": (shared - shared_after_first) / 1024}
 
 
-def _start() -> int:
+def _start() -> tuple[int, int]:
+    """The baseline: (resident set, its anonymous part) in KiB; the peak is reset here."""
     import gc
 
     gc.collect()
-    baseline = _status_kib("VmRSS")
+    baseline = _status_kib("VmRSS"), _status_kib("RssAnon")
     _reset_peak()
     return baseline
 
@@ -118,11 +148,14 @@ def main(argv=None) -> int:
     with RankPool(2) as two:
         rows.append(("FSDP2 world 2", two.run(fsdp2_job, args.steps)[0]))
     base = rows[0][1]["peak_mib"]
-    print(f"{'run':<26}{'step peak MiB':>14}{'vs plain':>10}{'between steps MiB':>19}{'set-up peak MiB':>17}")
+    print(f"{'run':<26}{'step peak MiB':>14}{'vs plain':>10}{'between steps MiB':>19}{'set-up peak MiB':>17}"
+          f"{'anon peak':>11}{'anon between':>14}{'code grew':>11}")
     for name, r in rows:
         print(f"{name:<26}{r['peak_mib']:>14.1f}{r['peak_mib'] / base:>10.2f}{r['between_steps_mib']:>19.1f}"
-              f"{r['setup_peak_mib']:>17.1f}")
-    print(f"(parameters: {DEPTH * (WIDTH * WIDTH + WIDTH) * 4 / 2**20:.1f} MiB fp32; rank 0 shown)")
+              f"{r['setup_peak_mib']:>17.1f}{r['anon_peak_mib']:>11.1f}{r['anon_between_mib']:>14.1f}"
+              f"{r['code_grew_mib']:>11.1f}")
+    print(f"(parameters: {DEPTH * (WIDTH * WIDTH + WIDTH) * 4 / 2**20:.1f} MiB fp32; rank 0 shown; "
+          "anon: without file-backed pages, see [Note: resident memory counts code pages])")
     return 0
 
 
