@@ -89,12 +89,18 @@ class Gathers:
         else:
             first = records[0].shard
             dtype = dtype or first.dtype
-            in_place = tuple(self._in_place(rec, dtype) for rec in records)
-            packed = [rec for rec, direct in zip(records, in_place) if not direct]
-            numels = tuple(r.numel for r in packed)
-            shards = [r.shard.detach() for r in packed]
+            on_cpu = first.device.type == "cpu"
+            # Only a parameter of PERSISTENT_BYTES or more can go in place: most buckets skip the test.
+            in_place = None if all(rec.nbytes < PERSISTENT_BYTES for rec in records) else \
+                tuple(self._in_place(rec, dtype) for rec in records)
+            if in_place is not None and not any(in_place):
+                in_place = None
+            packed = records if in_place is None else [rec for rec, direct in zip(records, in_place) if not direct]
+            numels = tuple([r.numel for r in packed])
+            # The torch packing runs under no_grad, so CPU shards need no detached alias; CuPy needs one.
+            shards = [r.shard for r in packed] if on_cpu else [r.shard.detach() for r in packed]
             check = self.rank_check
-            tagged = check == "tag" and first.device.type == "cpu"
+            tagged = check == "tag" and on_cpu
             if check == "header" or tagged:
                 fields = self._tag_fields(records)
                 if tagged:
@@ -104,12 +110,12 @@ class Gathers:
                     rankcheck.check_header(fields, self.rank, self.world, self.group, self.unit_names,
                                            "all-gather", self.timed_wait("rank-check header", records))
             layout = kernels.shard_layout(numels, self.world) if numels else None
-            gather = Gather(records, layout, tagged, in_place if any(in_place) else None)
+            gather = Gather(records, layout, tagged, in_place)
             gather.ticket = self.streams.launch(GATHER, self._issue_gather, gather, shards, dtype)
             self.counters.all_gathers += 1
             self.counters.gathered_bytes += dtype.itemsize * (
                 (layout.total * self.world if layout is not None else 0)
-                + sum(rec.numel for rec, direct in zip(records, in_place) if direct))
+                + (sum(rec.numel for rec, direct in zip(records, in_place) if direct) if in_place else 0))
         for rec in records:
             rec.pending = gather
 
