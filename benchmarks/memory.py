@@ -17,11 +17,14 @@ the numbers are in MiB, rank 0 shown.
 The resident set also holds clean file-backed pages: the code and read-only
 data of torch's libraries, mapped in as they are first executed. They are
 shared, cost no allocation and are dropped by the kernel under pressure, but
-``VmHWM`` counts them, and the baseline decides whose they are: FSDP2's
-modules are imported before its baseline (its device mesh is built there),
-so its import pages are left out, while the library code that paramfsm's step
-runs for the first time after the baseline is counted. The "anon" columns
-leave file-backed pages out: the anonymous peak is ``VmHWM`` minus the
+``VmHWM`` counts them, and the baseline decides whose they are. So every job
+brings its process to the same state before its baseline: the same modules
+imported (paramfsm's and FSDP2's) and FSDP2's device mesh built. When only
+FSDP2's job did that, the pages its imports touched were left out of its
+figure and the same library pages, touched by paramfsm's first step, counted
+in paramfsm's: 3 MiB of its "step peak" (149.2 against 146.0 MiB, the same
+run's FSDP2 figure) that was code, not tensors. The "anon" columns leave
+file-backed pages out altogether: the anonymous peak is ``VmHWM`` minus the
 file-backed and shared pages resident at the end, above the anonymous
 resident set at the baseline. Pages are only added while the measured steps
 run (nothing here makes the kernel evict them), so the pages resident at the
@@ -93,38 +96,45 @@ def _train(model, params, steps: int, baseline: tuple[int, int]) -> dict:
             "code_grew_mib": (shared - shared_after_first) / 1024}
 
 
-def _start() -> tuple[int, int]:
-    """The baseline: (resident set, its anonymous part) in KiB; the peak is reset here."""
+def _start(world: int):
+    """The same process state for every job, then the baseline: ``((resident KiB, anonymous KiB), mesh)``.
+
+    Every job imports paramfsm's and FSDP2's modules and builds the device mesh
+    FSDP2 needs before its baseline, so the pages these touch count for none of
+    them (see [Note: resident memory counts code pages]). The peak is reset here.
+    """
     import gc
 
+    import paramfsm.runtime  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+    mesh = init_device_mesh("cpu", (world,))
     gc.collect()
     baseline = _status_kib("VmRSS"), _status_kib("RssAnon")
     _reset_peak()
-    return baseline
+    return baseline, mesh
 
 
 def plain_job(rank, world, steps):
-    baseline = _start()
+    baseline, _ = _start(world)
     model = _model()
     return _train(model, model.parameters(), steps, baseline)
 
 
 def paramfsm_job(rank, world, steps):
     import paramfsm
-    import paramfsm.runtime  # noqa: F401 - imported before the baseline, like FSDP2's modules
 
-    baseline = _start()
+    baseline, _ = _start(world)
     model = _model()
     rt = paramfsm.shard(model)
     return _train(model, rt.shard_parameters(), steps, baseline)
 
 
 def fsdp2_job(rank, world, steps):
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
-    baseline = _start()
+    baseline, mesh = _start(world)
     model = _model()
     for layer in model:
         fully_shard(layer, mesh=mesh)
