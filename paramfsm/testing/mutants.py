@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import tempfile
 import time
 
 import attrs
@@ -108,6 +110,9 @@ def main(argv=None) -> int:
         if unknown:
             parser.error(f"unknown fault(s): {', '.join(sorted(unknown))}")
         chosen = tuple(f for f in CATALOGUE if f.name in args.only)
+    # Every injected fault makes the flight recorder dump on purpose: those dumps go to a temporary
+    # folder, not the working directory, unless PARAMFSM_TRACE_DIR says where.
+    dumps = os.environ.setdefault("PARAMFSM_TRACE_DIR", tempfile.mkdtemp(prefix="paramfsm-mutant-dumps-"))
     start = time.perf_counter()
     problem, rows = run_catalogue(subject=args.subject, examples=args.examples, seed=args.seed,
                                   world_size=args.world_size, faults=chosen, canonical_first=not args.random_only)
@@ -117,7 +122,7 @@ def main(argv=None) -> int:
     print(format_table(rows))
     programs = "drawn programs only" if args.random_only else "the canonical patterns, then drawn programs"
     print(f"subject {args.subject}, {programs} (at most {args.examples} drawn per fault), seed {args.seed}, "
-          f"world size {args.world_size}, {time.perf_counter() - start:.0f}s in all")
+          f"world size {args.world_size}, {time.perf_counter() - start:.0f}s in all; flight-recorder dumps in {dumps}")
     return 0 if all(row.killed for row in rows) else 1
 
 
