@@ -47,7 +47,7 @@ class Outcome:
 
     __slots__ = ("kind", "dst", "effects", "hold", "reset", "reason", "entry", "tag")
 
-    def __init__(self, rule, event: str = "", src: str = ""):
+    def __init__(self, rule, event: str, src: str):
         self.kind = {TRANSITION: TRANSITION, IGNORE: IGNORE, ERROR: ERROR}[rule.kind]  # the module's constants
         self.dst = State[rule.dst] if rule.dst else None
         self.effects: tuple[str, ...] = rule.effects

@@ -90,11 +90,10 @@ class Gathers:
             first = records[0].shard
             dtype = dtype or first.dtype
             on_cpu = first.device.type == "cpu"
-            # Only a parameter of PERSISTENT_BYTES or more can go in place: most buckets skip the test.
-            in_place = None if all(rec.nbytes < PERSISTENT_BYTES for rec in records) else \
-                tuple(self._in_place(rec, dtype) for rec in records)
-            if in_place is not None and not any(in_place):
-                in_place = None
+            in_place = None  # which records go in place; only one of PERSISTENT_BYTES or more can
+            if any(rec.nbytes >= PERSISTENT_BYTES for rec in records):
+                flags = tuple(self._in_place(rec, dtype) for rec in records)
+                in_place = flags if any(flags) else None
             packed = records if in_place is None else [rec for rec, direct in zip(records, in_place) if not direct]
             numels = tuple([r.numel for r in packed])
             # The torch packing runs under no_grad, so CPU shards need no detached alias; CuPy needs one.

@@ -112,7 +112,8 @@ def main(argv=None) -> int:
         chosen = tuple(f for f in CATALOGUE if f.name in args.only)
     # Every injected fault makes the flight recorder dump on purpose: those dumps go to a temporary
     # folder, not the working directory, unless PARAMFSM_TRACE_DIR says where.
-    dumps = os.environ.setdefault("PARAMFSM_TRACE_DIR", tempfile.mkdtemp(prefix="paramfsm-mutant-dumps-"))
+    dumps = os.environ.get("PARAMFSM_TRACE_DIR") or tempfile.mkdtemp(prefix="paramfsm-mutant-dumps-")
+    os.environ["PARAMFSM_TRACE_DIR"] = dumps
     start = time.perf_counter()
     problem, rows = run_catalogue(subject=args.subject, examples=args.examples, seed=args.seed,
                                   world_size=args.world_size, faults=chosen, canonical_first=not args.random_only)
