@@ -12,7 +12,7 @@ Usage (also ``python -m paramfsm``)::
 Each command group is added by a ``register(subparsers)`` function, and every
 leaf command stores its handler as ``func``; a handler takes the parsed
 arguments and returns the exit status. Optional groups live in their own
-modules and provide ``add_parser(subparsers)`` (``paramfsm.testing.verify_command`` for
+modules and provide ``add_parser(subparsers)`` (``paramfsm.verify.command`` for
 ``paramfsm verify``); they are imported only when the command line may name
 them, so the built-in commands never pay for their imports.
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 PROG = "paramfsm"
 #: Modules that add a command group with ``add_parser(subparsers)`` when they exist.
-OPTIONAL_COMMANDS = {"verify": "paramfsm.testing.verify_command"}
+OPTIONAL_COMMANDS = {"verify": "paramfsm.verify.command"}
 
 
 class CommandError(Exception):
@@ -146,7 +146,7 @@ NOT_REPLAYING = 3
 
 
 def _trace_check(args) -> int:
-    from paramfsm.core.trace import final_states
+    from paramfsm.core.replay import final_states
 
     records = _load_trace(args.file)
     if not records:
@@ -170,7 +170,7 @@ def _trace_check(args) -> int:
 def _replay(records, spec_path):
     """``(table, first illegal record or None)`` for a trace against a spec (the shipped one by default)."""
     from paramfsm.core.fsm import compile_table
-    from paramfsm.core.trace import replay
+    from paramfsm.core.replay import replay
 
     table = compile_table(_load_spec(spec_path))
     return table, replay(records, table)

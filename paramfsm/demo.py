@@ -47,7 +47,7 @@ def train(rank: int, world: int, steps: int, out: str) -> dict:
     """One rank's training loop; returns what rank 0 reports."""
     import paramfsm
     from paramfsm.core.fsm import default_table
-    from paramfsm.core.trace import replay
+    from paramfsm.core.replay import replay
     from paramfsm.testing import Reference, assert_close_dicts, rank_slice, sharded_grads, sharded_params
     from paramfsm.testing.models import TinyTransformer
 

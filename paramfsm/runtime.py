@@ -9,33 +9,16 @@ gathered access, and close.
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
-from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import checkpoint, full_state, grad_norm, optim
-from paramfsm.core.fsm import compile_table, default_table
-from paramfsm.core.spec import State, load_spec
+from paramfsm import assembly, checkpoint, full_state, grad_norm, teardown
+from paramfsm.core.spec import State
 from paramfsm.engine import graph_task as gt
-from paramfsm.engine import hooks, partitioned, placeholder
-from paramfsm.engine.collectives import resolve_group, resolve_mesh, timeout_s
-from paramfsm.engine.executor import Executor
-from paramfsm.engine.flight import FlightRecorder, make_trace
-from paramfsm.engine.scheduler import Scheduler
-from paramfsm.engine.streams import streams_for
-from paramfsm.engine.units import ROOT, ParamRecord, build_units
+from paramfsm.engine.units import ParamRecord, units_within
 from paramfsm.errors import ParamFSMError
-
-RETAIN_POLICIES = ("defer", "regather")
-# Weak registries (they never keep a model alive): sharded models, and each partitioned
-# parameter's owning model class, so sharding twice is refused with a clear message.
-_SHARDED = WeakIdKeyDictionary()
-_PARTITIONED = WeakIdKeyDictionary()
 
 
 def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
@@ -75,27 +58,8 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     are reduce-scattered within the shard group, then all-reduced across
     replicas (averaged over every rank, like plain torch on the global batch).
     """
-    if retain not in RETAIN_POLICIES:
-        raise ParamFSMError(f"retain={retain!r}: expected one of {RETAIN_POLICIES}")
-    if model in _SHARDED:
-        raise ParamFSMError("this model is already sharded by paramfsm; call rt.close() before sharding it again")
-    for name, param in model.named_parameters():
-        owner = _PARTITIONED.get(param)
-        if owner is not None:
-            raise ParamFSMError(f"parameter '{name}' is already partitioned by paramfsm (it belongs to a "
-                                f"sharded {owner}); shard the outermost model once, "
-                                "or call rt.close() on the other runtime first")
-    if prefetch < 0:
-        raise ParamFSMError(f"prefetch={prefetch}: must be >= 0")
-    try:
-        limit = timeout_s(collective_timeout)
-        replicate_group = None
-        if mesh is not None:
-            if group is not None:
-                raise ValueError("give group= or mesh=, not both")
-            group, replicate_group = resolve_mesh(mesh)
-    except ValueError as exc:
-        raise ParamFSMError(str(exc)) from None
+    group, replicate_group, limit = assembly.check_arguments(model, group, retain, prefetch,
+                                                             collective_timeout, mesh)
     return Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                    bucket_bytes, param_dtype, reduce_dtype, debug, limit,
                    mesh if replicate_group is not None else None, replicate_group)
@@ -107,47 +71,9 @@ class Runtime:
     def __init__(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                  bucket_bytes, param_dtype, reduce_dtype, debug=False, collective_timeout=600.0,
                  mesh=None, replicate_group=None):
-        self.model = model
-        device = _model_device(model)
-        self.group, self.rank, self.world = resolve_group(group, device)
-        # Hybrid sharding: the 2-D mesh and its replicate group; traces and dumps carry the global rank.
-        self.mesh, self.replicate_group = mesh, replicate_group
-        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-        trace_rank = dist.get_rank() if mesh is not None else self.rank
-        self.table = compile_table(load_spec(spec)) if spec is not None else default_table()
-        self.units, by_id = build_units(model, units, self.rank, self.world)
-        self._by_id = by_id
-        self._by_name = {name: rec for rec in by_id.values() for name in rec.names}
-        self._index = {id(rec): i for i, rec in enumerate(by_id.values())}  # numbers full-tensor collectives
-        # Always a Trace (rt.trace works with trace=0); only a recording one reaches the FSM.
-        coord = (dist.get_rank(replicate_group), self.rank) if mesh is not None else ()
-        self.trace = make_trace(trace, trace_rank, self.table.digest, list(by_id.values()), coord)
-        recording = self.trace.limit != 0
-        self.executor = Executor(self.group, self.rank, self.world, param_dtype=param_dtype,
-                                 reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
-                                 streams=streams_for(device), timeout_s=collective_timeout,
-                                 replicate_group=replicate_group, replicas=self.replicas)
-        self.scheduler = Scheduler(self.table, self.units, list(by_id.values()), self.executor,
-                                   rank=trace_rank, retain=retain, prefetch=prefetch,
-                                   max_deferred_bytes=max_deferred_bytes, bucket_bytes=bucket_bytes,
-                                   trace=self.trace if recording else None, strict=strict)
-        self.flight = FlightRecorder(self.trace if recording else None, self.scheduler.ctx)
-        self.scheduler.on_failure = self.flight.failed
-        self.executor.ctx = self.scheduler.ctx
-        self.executor.unit_names = full_state.collective_names(self.units, by_id.values())
-        if debug:
-            self.executor.rank_check = "header"
-        for rec in by_id.values():
-            partitioned.adopt(rec.param, rec, trace_rank)
-            self.executor.free((rec,))
-        self._handles = hooks.install(model, self.units, list(by_id.values()), self.scheduler.emit)
-        if param_dtype is not None:
-            self._handles.append(model.register_forward_pre_hook(
-                partial(_cast_inputs, param_dtype), with_kwargs=True))
-        _SHARDED[model] = True
-        optim.install(self.shard_parameters())
-        for rec in by_id.values():
-            _PARTITIONED[rec.param] = type(model).__name__
+        assembly.assemble(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
+                          bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh,
+                          replicate_group)
 
     # ------------------------------------------------------------------ lookup
     def record(self, param_or_name):
@@ -307,9 +233,7 @@ class Runtime:
 
         Collective: every rank enters and leaves together.
         """
-        wanted = {id(m) for m in modules}
-        chosen = [u for u in self.units if not wanted or id(u.module) in wanted
-                  or any(id(sub) in wanted for sub in _ancestors(self.model, u.name))]
+        chosen = units_within(self.model, self.units, modules)
         for unit in chosen:
             self.scheduler.hold(unit)
         try:
@@ -335,66 +259,8 @@ class Runtime:
         For error recovery when a peer rank failed and a collective could hang;
         parameters stay as they are (their shards are lost). Prefer ``close()``.
         """
-        self._remove_hooks()
-        self.scheduler.closed = True
-        self.trace.close()
-        _SHARDED.pop(self.model, None)
-        for rec in self._by_id.values():
-            partitioned.release(rec.param)
-            _PARTITIONED.pop(rec.param, None)
-
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        for rec in self._by_id.values():
-            hooks.unwatch_grads(rec)
+        teardown.detach(self)
 
     def close(self) -> nn.Module:
         """Restore plain full parameters in the model and remove every hook; returns the model."""
-        if self.scheduler.closed:
-            return self.model
-        self.flush()
-        with self._reporting():
-            fulls = {id(rec): full_state.gather(self, rec, rec.shard) for rec in self._by_id.values()}
-            grads = {id(rec): full_state.gather(self, rec, rec.shard.grad, full_state.GRADIENT)
-                     for rec in self._by_id.values() if rec.shard.grad is not None}
-        self._remove_hooks()
-        self.scheduler.closed = True
-        self.trace.close()
-        for rec in self._by_id.values():
-            placeholder.reveal(rec.param)
-            partitioned.release(rec.param)
-            rec.param.data = fulls[id(rec)]
-            if id(rec) in grads:
-                rec.param.grad = grads[id(rec)]
-        _SHARDED.pop(self.model, None)
-        for rec in self._by_id.values():
-            _PARTITIONED.pop(rec.param, None)
-        return self.model
-
-
-def _cast_inputs(dtype, module, args, kwargs):
-    """Root forward pre-hook under ``param_dtype``: cast floating-point tensor inputs to the compute dtype."""
-    def cast(value):
-        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-    return tree_map(cast, args), tree_map(cast, kwargs)
-
-
-def _ancestors(model: nn.Module, unit_name: str):
-    """The unit's module and every module above it (so rt.gathered(block) covers its sub-units)."""
-    parts = unit_name.split(".") if unit_name and unit_name != ROOT else []
-    yield model
-    module = model
-    for part in parts:
-        module = getattr(module, part)
-        yield module
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    """The one device every parameter of ``model`` lives on (CPU for a model without any)."""
-    devices = {p.device for p in model.parameters()}
-    if len(devices) > 1:
-        raise ParamFSMError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
-                            "move the whole model to one device (model.to(device)) before paramfsm.shard")
-    return devices.pop() if devices else torch.device("cpu")
+        return teardown.close(self)

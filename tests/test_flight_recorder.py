@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 import paramfsm
 from paramfsm import CollectiveTimeout, IllegalTransition, RankDesync
 from paramfsm.cli import main as cli
-from paramfsm.core.trace import Trace, replay
+from paramfsm.core.trace import Trace
+from paramfsm.core.replay import replay
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine.events import POST_FORWARD, Event
 from paramfsm.launch import RankPool

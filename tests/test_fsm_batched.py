@@ -147,7 +147,8 @@ def test_a_ring_of_unit_tuples_reads_as_the_last_n_transitions(ops, limit):
     """``step_many`` keeps one raw tuple per unit; a ring must still read as exactly the last ``limit``
     transitions of the whole trace (a tuple straddling the window's edge is cut), open with the snapshot
     its window needs, replay clean, and count its records right."""
-    from paramfsm.core.trace import SNAPSHOT, replay
+    from paramfsm.core.trace import SNAPSHOT
+    from paramfsm.core.replay import replay
 
     lifetimes = [Lifetime(f"p{i}", "u") for i in range(3)]
     full, ring = Trace(0), Trace(0, limit=limit, lifetimes=lifetimes)

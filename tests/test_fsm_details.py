@@ -14,7 +14,8 @@ import pytest
 
 from paramfsm.core.fsm import HISTORY, Lifetime, StepContext, compile_table, default_table, ext_class, step
 from paramfsm.core.spec import State, load_spec
-from paramfsm.core.trace import Trace, TraceRecord, replay
+from paramfsm.core.trace import Trace, TraceRecord
+from paramfsm.core.replay import replay
 from paramfsm.errors import IllegalTransition
 
 TABLE = default_table()

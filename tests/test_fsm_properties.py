@@ -24,7 +24,8 @@ from transitions import MachineError
 from paramfsm.core import fsm
 from paramfsm.core.machine import build_machine
 from paramfsm.core.spec import EFFECTS, State, load_spec
-from paramfsm.core.trace import Trace, replay
+from paramfsm.core.trace import Trace
+from paramfsm.core.replay import replay
 from paramfsm.errors import IllegalTransition
 
 SPEC = load_spec()

@@ -1,4 +1,4 @@
-"""The package's layers, read from its imports: core is pure, the engine never reaches up.
+"""The package's layers, read from its imports: core is pure, the engine never reaches up, verify is a product.
 
 ``make lint`` runs this file on its own; ``make test`` runs it with the rest.
 Every ``import``/``from`` statement counts, including those inside functions,
@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "paramfsm"
-FACADE = {"runtime", "cli", "checkpoint", "full_state", "grad_norm", "integrations", "launch", "demo", "__main__"}
 # Third-party modules the pure core may not touch: it must load without a process group or a GPU.
 IMPURE = ("torch", "cupy")
 
@@ -67,13 +66,22 @@ def core_forbids(name: str) -> bool:
 
 
 def engine_forbids(name: str) -> bool:
+    """The engine builds on the core alone: no facade module, no verify/, no testing/."""
     top = _top(name)
-    return top is not None and (top == "testing" or top in FACADE)
+    return top is not None and top not in ("core", "engine", "errors")
 
 
-@pytest.mark.parametrize("layer, forbidden", [("core", core_forbids), ("engine", engine_forbids)])
-def test_layer_imports_only_downwards(layer, forbidden):
-    assert _violations(layer, forbidden) == []
+def verify_forbids(name: str) -> bool:
+    """verify/ is a product: it builds on the facade and the layers below it, never on our own test kit."""
+    return _top(name) == "testing"
+
+
+FORBIDS = {"core": core_forbids, "engine": engine_forbids, "verify": verify_forbids}
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDS))
+def test_layer_imports_only_downwards(layer):
+    assert _violations(layer, FORBIDS[layer]) == []
 
 
 def test_the_check_sees_violations(tmp_path, monkeypatch):
@@ -81,13 +89,17 @@ def test_the_check_sees_violations(tmp_path, monkeypatch):
     fake = tmp_path / "paramfsm"
     for layer, line in [("core", "import torch.distributed as dist"),
                         ("core", "from paramfsm.engine import hooks"),
-                        ("engine", "from paramfsm.testing import faults"),
-                        ("engine", "def f():\n    from paramfsm import runtime\n")]:
+                        ("core", "from paramfsm.verify import engine"),
+                        ("core", "import paramfsm.testing.models"),
+                        ("engine", "from paramfsm.testing import reference"),
+                        ("engine", "from paramfsm.verify import faults"),
+                        ("engine", "def f():\n    from paramfsm import runtime\n"),
+                        ("verify", "from paramfsm.testing import models"),
+                        ("verify", "def f():\n    import paramfsm.testing.subjects\n")]:
         (fake / layer).mkdir(parents=True, exist_ok=True)
         (fake / layer / "bad.py").write_text(line + "\n")
         monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
-        forbidden = core_forbids if layer == "core" else engine_forbids
-        assert len(_violations(layer, forbidden)) == 1, line
+        assert len(_violations(layer, FORBIDS[layer])) == 1, line
         (fake / layer / "bad.py").unlink()
 
 
@@ -97,3 +109,55 @@ def test_core_may_import_errors_and_itself():
     assert not core_forbids("attrs")
     assert not engine_forbids("paramfsm.core.fsm")
     assert not engine_forbids("paramfsm.engine.kernels")
+
+
+def test_verify_may_import_the_facade_and_below():
+    for name in ("paramfsm.runtime", "paramfsm.launch", "paramfsm.engine.units", "paramfsm.core.trace",
+                 "paramfsm.verify.faults", "hypothesis"):
+        assert not verify_forbids(name), name
+
+
+def _imported_names(path: Path) -> list[tuple[str, str]]:
+    """``(module, name)`` for every ``from module import name`` in ``path`` (``(module, "")`` for ``import``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found += [(node.module, alias.name) for alias in node.names]
+    return found
+
+
+def _cycle(layer: str) -> list[str]:
+    """One import circle among the modules of ``layer`` (lazy imports count), or []."""
+    paths = {_module_name(path): path for path in sorted((PACKAGE / layer).rglob("*.py"))}
+    # ``from paramfsm.core import replay`` imports the module paramfsm.core.replay.
+    graph = {module: {f"{name}.{alias}" if f"{name}.{alias}" in paths else name
+                      for name, alias in _imported_names(path)}
+             for module, path in paths.items()}
+    for start in graph:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            module, chain = stack.pop()
+            for name in graph.get(module, ()):
+                if name == start:
+                    return chain + [start]
+                if name in graph and name not in seen:
+                    seen.add(name)
+                    stack.append((name, chain + [name]))
+    return []
+
+
+def test_core_has_no_import_circle():
+    assert _cycle("core") == []
+
+
+def test_the_circle_check_sees_a_circle(tmp_path, monkeypatch):
+    fake = tmp_path / "paramfsm" / "core"
+    fake.mkdir(parents=True)
+    (fake / "a.py").write_text("from paramfsm.core.b import x\n")
+    (fake / "b.py").write_text("def f():\n    from paramfsm.core import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake.parent)
+    assert _cycle("core") in (["paramfsm.core.a", "paramfsm.core.b", "paramfsm.core.a"],
+                              ["paramfsm.core.b", "paramfsm.core.a", "paramfsm.core.b"])

@@ -10,10 +10,10 @@ from paramfsm import amp, checkpoint, grad_norm
 from paramfsm.engine import events, executor, graph_task, hooks
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.scheduler import Scheduler
-from paramfsm.testing import faults
+from paramfsm.verify import faults
 from paramfsm.testing.mutants import format_table, main, run_catalogue
-from paramfsm.testing.reproduction import run_saved
-from paramfsm.testing.verify import examples_from_env
+from paramfsm.verify.reproduction import run_saved
+from paramfsm.verify.engine import examples_from_env
 
 #: Programs per fault (and for the baseline) in CI; PARAMFSM_VERIFY_EXAMPLES raises it.
 CI_EXAMPLES = 25

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import paramfsm
 from paramfsm import State
 from paramfsm.core.fsm import default_table
-from paramfsm.core.trace import replay
+from paramfsm.core.replay import replay
 from paramfsm.testing import Reference, assert_close_dicts, rank_slice, sharded_grads, sharded_params
 from paramfsm.testing.models import TinyTransformer
 

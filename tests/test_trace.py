@@ -12,7 +12,8 @@ from scenario_traces import UNITS, scenario_trace
 
 from paramfsm.core.fsm import default_table
 from paramfsm.core.spec import EFFECTS, State
-from paramfsm.core.trace import Trace, TraceRecord, final_states, replay
+from paramfsm.core.trace import Trace, TraceRecord
+from paramfsm.core.replay import final_states, replay
 from paramfsm.core.trace_report import diff, summarize
 
 TABLE = default_table()

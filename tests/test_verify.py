@@ -18,15 +18,15 @@ from hypothesis import HealthCheck, given, settings
 from paramfsm import State
 from paramfsm.core.fsm import default_table
 from paramfsm.core.spec import INVARIANTS
-from paramfsm.testing import checks
-from paramfsm.testing.checker import Mirror
-from paramfsm.testing.programs import (
+from paramfsm.verify import checks
+from paramfsm.verify.checker import Mirror
+from paramfsm.verify.programs import (
     Backward, Config, Drop, Forward, Gathered, Loss, Penalty, Program, Shape, Step, programs,
 )
-from paramfsm.testing.reproduction import render
-from paramfsm.testing.runner import Options, run_program
-from paramfsm.testing.subject import global_batch, load_subject, split
-from paramfsm.testing.verify import (
+from paramfsm.verify.reproduction import render
+from paramfsm.verify.runner import Options, run_program
+from paramfsm.verify.subject import global_batch, load_subject, split
+from paramfsm.verify.engine import (
     EXAMPLES_ENV, VerificationFailed, examples_from_env, probe, verify, verify_model,
 )
 

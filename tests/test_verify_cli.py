@@ -20,8 +20,8 @@ import types
 import pytest
 
 from paramfsm import cli
-from paramfsm.testing.subject import import_root
-from paramfsm.testing.verify_command import ProgressLine, rejections
+from paramfsm.verify.subject import import_root
+from paramfsm.verify.command import ProgressLine, rejections
 
 USER_MODEL = """\
 import torch

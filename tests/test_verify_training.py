@@ -15,17 +15,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import paramfsm
-from paramfsm.testing import faults
-from paramfsm.testing.mirror import Mirror
-from paramfsm.testing.ops import (
+from paramfsm.verify import faults
+from paramfsm.verify.mirror import Mirror
+from paramfsm.verify.ops import (
     Backward, Checkpoint, Clip, Config, Drop, Forward, FullState, Loss, Overflow, Program, RequiresGrad, Step,
     Unscale, ZeroGrad,
 )
-from paramfsm.testing.programs import programs
-from paramfsm.testing.reproduction import render
-from paramfsm.testing.runner import Options, run_program
-from paramfsm.testing.subject import global_batch, load_subject, split
-from paramfsm.testing.verify import probe, verify
+from paramfsm.verify.programs import programs
+from paramfsm.verify.reproduction import render
+from paramfsm.verify.runner import Options, run_program
+from paramfsm.verify.subject import global_batch, load_subject, split
+from paramfsm.verify.engine import probe, verify
 
 SUBJECTS = "paramfsm.testing.subjects:"
 FP16 = Config(param_dtype="float16")

@@ -16,7 +16,7 @@ from typing import Iterable
 import attrs
 
 from paramfsm.core.spec import State
-from paramfsm.core.trace import SNAPSHOT, TraceRecord
+from paramfsm.core.trace_record import SNAPSHOT, TraceRecord
 
 
 @attrs.frozen(slots=True)

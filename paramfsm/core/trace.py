@@ -25,12 +25,10 @@ from typing import Iterable, Iterator
 from paramfsm.core.fsm import TAGS
 from paramfsm.core.perfetto import write_perfetto
 from paramfsm.core.spec import State
-from paramfsm.core.trace_record import FIELDS, TraceRecord, iter_jsonl
+from paramfsm.core.trace_record import FIELDS, SNAPSHOT, TraceRecord, iter_jsonl
 
 __all__ = ["DEFAULT_RING", "FIELDS", "SNAPSHOT", "STREAM_BATCH", "Trace", "TraceRecord", "iter_jsonl"]
 
-#: The event of a snapshot record: the parameter's state and holders where a trace window opens.
-SNAPSHOT = "snapshot"
 #: Records the flight recorder keeps by default (``PARAMFSM_TRACE_RECORDS`` overrides it).
 DEFAULT_RING = 8192
 #: Records a streamed trace buffers before it writes them.
@@ -318,12 +316,3 @@ _STATES = {state.name: state for state in State}
 _GROUPS_KEPT = 4096
 _BOOL = {False: "false", True: "true"}
 
-
-def __getattr__(name: str):
-    """``replay``, ``ReplayError`` and ``final_states`` live in :mod:`paramfsm.core.replay`; importing
-    them from here keeps working."""
-    if name in ("replay", "ReplayError", "final_states"):
-        from paramfsm.core import replay
-
-        return getattr(replay, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

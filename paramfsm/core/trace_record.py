@@ -14,6 +14,8 @@ from typing import Iterator
 
 import attrs
 
+#: The event of a snapshot record: the parameter's state and holders where a trace window opens.
+SNAPSHOT = "snapshot"
 FIELDS = ("seq", "t_ns", "rank", "step", "graph_task", "param", "unit", "event", "src", "dst",
           "effects", "keep_graph", "retained", "holds", "nbytes", "spec", "coord")
 

@@ -214,3 +214,20 @@ def build_units(model: nn.Module, units: UnitsArg, rank: int, world: int) -> tup
             if not rec.unit:
                 rec.unit = unit.name
     return built, records
+
+
+def units_within(model: nn.Module, units: list[Unit], modules) -> list[Unit]:
+    """The units of ``modules`` and of every module below them (all units when ``modules`` is empty)."""
+    wanted = {id(m) for m in modules}
+    if not wanted:
+        return list(units)
+    return [unit for unit in units if any(id(m) in wanted for m in _path(model, unit.name))]
+
+
+def _path(model: nn.Module, unit_name: str):
+    """The unit's module and every module above it."""
+    yield model
+    module = model
+    for part in (unit_name.split(".") if unit_name and unit_name != ROOT else []):
+        module = getattr(module, part)
+        yield module

@@ -1,11 +1,11 @@
-"""Mutation run: does ``paramfsm verify`` kill every bug of the catalogue (:mod:`paramfsm.testing.faults`)?
+"""Mutation run: does ``paramfsm verify`` kill every bug of the catalogue (:mod:`paramfsm.verify.faults`)?
 
 ``python -m paramfsm.testing.mutants`` first verifies the unmutated runtime
 with the same budget (a baseline: if it fails, a "kill" would mean nothing
 and the run stops), then runs verification once per catalogued fault,
 injected on the ranks, and prints one row per fault: the bug, its source,
 whether verify killed it, how many programs it needed (the canonical patterns
-run first, see :data:`paramfsm.testing.programs.CANONICAL`), the seconds to the
+run first, see :data:`paramfsm.verify.programs.CANONICAL`), the seconds to the
 first failing program, and which check caught it. The programs a seed draws
 are the same with and without a fault until the first failure, so a kill
 within the baseline's budget is the fault's doing. The exit status is 1 when
@@ -24,8 +24,8 @@ import time
 import attrs
 
 from paramfsm.launch import RankPool
-from paramfsm.testing.faults import CATALOGUE, Fault
-from paramfsm.testing.verify import Finding, verify
+from paramfsm.verify.faults import CATALOGUE, Fault
+from paramfsm.verify.engine import Finding, verify
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import paramfsm
 from paramfsm.core.fsm import default_table
-from paramfsm.core.trace import replay
+from paramfsm.core.replay import replay
 from paramfsm.testing.models import TinyTransformer
 from paramfsm.testing.reference import Reference, assert_close_dicts, rank_slice, sharded_grads, sharded_params
 

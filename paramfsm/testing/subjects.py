@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramfsm.testing.models import Block, TinyTransformer, mlp
-from paramfsm.testing.subject import Subject
+from paramfsm.verify.subject import Subject
 
 # Odd sizes on purpose: with a width of 13 and a vocabulary of 29, most parameters (embedding and
 # head 377, projections 169, norms and biases 13) divide by neither 2 nor 3, so every run at world 2

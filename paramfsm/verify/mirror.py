@@ -13,7 +13,7 @@ reduce-scatter produces. What each op means in plain torch:
   divided by the world size and summed into the master's ``.grad``, which is
   paramfsm's arithmetic (pack in the reduce dtype, pre-divide, reduce-scatter,
   accumulate) up to the order ranks are summed in; see
-  :data:`paramfsm.testing.training.MIXED_TOLERANCES`.
+  :data:`paramfsm.verify.loop_helpers.MIXED_TOLERANCES`.
 * fp16: losses are scaled by a ``torch.amp.GradScaler`` before backward;
   ``Unscale`` and ``Step`` are the scaler's ``unscale_`` and ``step``/``update``
   on the master's optimizer; ``Overflow`` writes the inf into the master's
@@ -31,12 +31,12 @@ import copy
 import torch
 from torch.utils._pytree import tree_map
 
-from paramfsm.testing.ops import (
+from paramfsm.verify.ops import (
     PENALTY_WEIGHT, Backward, Clip, Config, Drop, Forward, FullState, Gathered, Loss, Overflow, Penalty, RequiresGrad,
     Step, Unscale, ZeroGrad,
 )
-from paramfsm.testing.subject import first_tensor
-from paramfsm.testing.training import (
+from paramfsm.verify.subject import first_tensor
+from paramfsm.verify.loop_helpers import (
     SCALER, compute_dtype, default_blocks, overflow_reference, perturbed, reentrant_blocks,
 )
 

@@ -2,16 +2,16 @@
 
 :func:`run_program` is the job a :class:`~paramfsm.launch.RankPool` runs on
 every rank. Each rank shards a fresh model from the factory, keeps an
-unsharded deep copy as the reference (:class:`~paramfsm.testing.mirror.Mirror`)
+unsharded deep copy as the reference (:class:`~paramfsm.verify.mirror.Mirror`)
 and applies every op of the program to both, the reference first: an op
 plain torch cannot run rejects the program as invalid for this model
 (the outcome's kind is ``"invalid"``). The reference runs each rank's slice
 of the batch separately and averages the slice losses, so its gradients are
 exactly the rank-averaged gradients paramfsm produces, gradient penalties
-included. The checks live in :class:`~paramfsm.testing.checker.Checker`, which
+included. The checks live in :class:`~paramfsm.verify.checker.Checker`, which
 saved reproductions run too.
 
-After every op (see :mod:`paramfsm.testing.checks`):
+After every op (see :mod:`paramfsm.verify.checks`):
 
 - every parameter satisfies the spec's invariants for its state;
 - nothing is in flight or held between ops; a parameter is deferred only
@@ -49,15 +49,15 @@ import torch.distributed as dist
 import paramfsm
 import paramfsm.amp
 import paramfsm.checkpoint
-from paramfsm.testing import faults
-from paramfsm.testing.checker import Checker, Failed, Rejected, agree
-from paramfsm.testing.mirror import loss_of, penalised
-from paramfsm.testing.ops import (
+from paramfsm.verify import faults
+from paramfsm.verify.checker import Checker, Failed, Rejected, agree
+from paramfsm.verify.mirror import loss_of, penalised
+from paramfsm.verify.ops import (
     Backward, Checkpoint, Clip, Drop, Flush, Forward, FullState, Gathered, Loss, Overflow, Penalty, Program,
     RequiresGrad, Step, Unscale, ZeroGrad,
 )
-from paramfsm.testing.subject import load_subject
-from paramfsm.testing.training import SCALER, compute_dtype, force_overflow, perturbed, reentrant_blocks
+from paramfsm.verify.subject import load_subject
+from paramfsm.verify.loop_helpers import SCALER, compute_dtype, force_overflow, perturbed, reentrant_blocks
 
 
 @attrs.frozen(slots=True)

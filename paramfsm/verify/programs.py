@@ -1,10 +1,10 @@
 """Training-loop programs: small op records and a hypothesis strategy that draws valid ones.
 
 A :class:`Program` is a :class:`Config` (how the model is sharded, and in
-which precision) and a tuple of ops (:mod:`paramfsm.testing.ops`, re-exported
+which precision) and a tuple of ops (:mod:`paramfsm.verify.ops`, re-exported
 here). Ops are frozen, slotted records, so a program pickles in a few hundred
 bytes: the test process draws it once and sends the same program to every
-rank and to the plain-torch reference (:mod:`paramfsm.testing.runner`).
+rank and to the plain-torch reference (:mod:`paramfsm.verify.runner`).
 
 [Note: intents, then a normaliser]
 The strategy does not draw ops directly. It draws a list of *intents*
@@ -20,7 +20,7 @@ and hypothesis shrinks a failure by deleting intents and lowering integers
 with no risk of producing an invalid program. The program ends by dropping
 every live output, so retained-graph cleanup is always exercised.
 
-:func:`paramfsm.testing.reproduction.render` prints a program as a runnable
+:func:`paramfsm.verify.reproduction.render` prints a program as a runnable
 script that calls only the public API.
 """
 
@@ -31,7 +31,7 @@ from typing import Sequence
 import attrs
 from hypothesis import strategies as st
 
-from paramfsm.testing.ops import (  # noqa: F401 - the vocabulary, re-exported for existing imports
+from paramfsm.verify.ops import (  # noqa: F401 - the vocabulary, re-exported for existing imports
     AUTO_MODES, BATCHES, CLIP_NORM_TYPES, CLIP_NORMS, GRAD_MODES, LOSS_VARIANTS, MODES, PENALTY_WEIGHT, Backward,
     Checkpoint, Clip, Config, Drop, Flush, Forward, FullState, Gathered, Loss, Op, Overflow, Penalty, Program,
     RequiresGrad, Shape, Step, Unscale, ZeroGrad,
@@ -170,7 +170,7 @@ class _Normaliser:
             self.training_op(kind, a, b, flag)
 
     def training_op(self, kind: str, a: int, b: int, flag: bool) -> None:
-        """Clipping, loss-scaler ops, state-dict round trips and freezing (see :mod:`paramfsm.testing.ops`)."""
+        """Clipping, loss-scaler ops, state-dict round trips and freezing (see :mod:`paramfsm.verify.ops`)."""
         scaled = self.config.scaled
         if kind == "clip":
             if scaled and self.has_grads and not self.unscaled:
@@ -231,7 +231,7 @@ def normalise(intents: Sequence[tuple], shape: Shape, config: Config = Config())
     return Program(config, tuple(norm.ops))
 
 
-#: Training-loop patterns behind the bugs of :mod:`paramfsm.testing.faults`, as intents (kind, a, b, flag)
+#: Training-loop patterns behind the bugs of :mod:`paramfsm.verify.faults`, as intents (kind, a, b, flag)
 #: with a configuration. They run before the random programs (see :func:`canonical`).
 CANONICAL: tuple[tuple[Config, tuple], ...] = (
     (Config(), (("multi_loss", 0, 0, False),)),  # forward, two losses, zero_grad/backward(retain)/backward

@@ -1,7 +1,7 @@
 """Helpers verify's training-loop ops share: the runner, the plain-torch reference and saved reproductions.
 
 * :data:`SCALER`, :func:`compute_dtype` and :func:`tolerances`: what a
-  program's :class:`~paramfsm.testing.ops.Config` means for mixed precision.
+  program's :class:`~paramfsm.verify.ops.Config` means for mixed precision.
 * :func:`reentrant_blocks`: per-block reentrant activation checkpointing of
   any model, for the duration of one forward.
 * :func:`perturbed`: the state dict a round trip loads when it must change
@@ -31,7 +31,7 @@ SCALER = {"init_scale": 1024.0, "growth_interval": 2}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: (atol, rtol) for programs that compute in a low precision. The reference repeats paramfsm's arithmetic
-#: (see :class:`~paramfsm.testing.mirror.Mirror`) except for the order in which ranks' gradients are summed,
+#: (see :class:`~paramfsm.verify.mirror.Mirror`) except for the order in which ranks' gradients are summed,
 #: so values agree to fp32 rounding until a difference of one ulp flips a rounding to the compute dtype; the
 #: tolerance allows a few such flips (bf16 keeps 8 significant bits, fp16 11).
 MIXED_TOLERANCES = {"bfloat16": (1e-2, 1e-2), "float16": (2e-3, 2e-3)}

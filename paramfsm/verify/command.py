@@ -17,7 +17,7 @@ line. On long runs a progress line goes to stderr every ``--progress``
 seconds.
 
 ``FACTORY`` names a callable returning ``(model, make_batch, loss_fn)`` or a
-:class:`paramfsm.testing.Subject` (see :mod:`paramfsm.testing.subject` for
+:class:`paramfsm.verify.Subject` (see :mod:`paramfsm.verify.subject` for
 the protocol). ``MODULE`` is imported from the current directory too.
 
 :func:`add_parser` is what :mod:`paramfsm.cli` loads (lazily) to add the
@@ -47,7 +47,7 @@ def add_parser(subparsers) -> None:
         "verify", help="check generated training loops on local ranks against plain torch",
         description=" ".join(__doc__.split("\n\n")[1:3]))
     parser.add_argument("factory", metavar="MODULE:FACTORY",
-                        help="callable returning (model, make_batch, loss_fn) or a paramfsm.testing.Subject")
+                        help="callable returning (model, make_batch, loss_fn) or a paramfsm.verify.Subject")
     parser.add_argument("--world-size", type=int, default=2, help="local gloo ranks (default 2)")
     parser.add_argument("--examples", type=int, default=None,
                         help=f"programs to try (default ${{PARAMFSM_VERIFY_EXAMPLES}} or {DEFAULT_EXAMPLES})")
@@ -103,7 +103,7 @@ def run(args) -> int:
     from paramfsm.cli import CommandError
 
     try:
-        from paramfsm.testing.verify import FactoryError, examples_from_env, verify
+        from paramfsm.verify.engine import FactoryError, examples_from_env, verify
     except ImportError as exc:
         raise CommandError(f"paramfsm verify needs hypothesis ({exc}); install it with "
                            "pip install 'paramfsm[test]'", 2) from None

@@ -2,9 +2,9 @@
 
 Ops are frozen, slotted records, so a program pickles in a few hundred bytes
 and prints (``repr``) as the constructor call a reproduction script uses.
-:mod:`paramfsm.testing.programs` draws valid sequences of them;
-:mod:`paramfsm.testing.mirror` gives each its plain-torch meaning,
-:mod:`paramfsm.testing.runner` and :mod:`paramfsm.testing.reproduction` run it
+:mod:`paramfsm.verify.programs` draws valid sequences of them;
+:mod:`paramfsm.verify.mirror` gives each its plain-torch meaning,
+:mod:`paramfsm.verify.runner` and :mod:`paramfsm.verify.reproduction` run it
 on paramfsm.
 """
 
@@ -32,7 +32,7 @@ class Config:
     in that dtype, reduce-scatter in float32 (``reduce_dtype=torch.float32``).
     Under ``"float16"`` every backward is of ``scaler.scale(loss)`` and every
     step is ``scaler.step(opt); scaler.update()`` with a
-    ``paramfsm.amp.GradScaler`` (see :data:`paramfsm.testing.mirror.SCALER`).
+    ``paramfsm.amp.GradScaler`` (see :data:`paramfsm.verify.mirror.SCALER`).
     """
 
     retain: str = "defer"

@@ -1,28 +1,28 @@
-"""Property-based verification of training loops: ``paramfsm.testing.verify_model`` and its engine.
+"""Property-based verification of training loops: ``paramfsm.verify.verify_model`` and its engine.
 
-Hypothesis draws training-loop programs (:mod:`paramfsm.testing.programs`)
+Hypothesis draws training-loop programs (:mod:`paramfsm.verify.programs`)
 in this process; each program runs, identical, on every rank of a
 :class:`~paramfsm.launch.RankPool` beside a plain-torch reference
-(:mod:`paramfsm.testing.runner`), with checks after every op. A failing
+(:mod:`paramfsm.verify.runner`), with checks after every op. A failing
 program is shrunk (hypothesis deletes and simplifies ops, within a time
 budget) and reported as a runnable reproduction that calls only the public
 API.
 
 Add one test to your CI::
 
-    from paramfsm.testing import verify_model
+    from paramfsm.verify import verify_model
 
     def test_paramfsm_lifetimes():
         verify_model("mypkg.models:make_subject", world_size=2, examples=20)
 
 ``examples`` can be raised without editing the test through the
 ``PARAMFSM_VERIFY_EXAMPLES`` environment variable. See
-:mod:`paramfsm.testing.subject` for what the factory returns.
+:mod:`paramfsm.verify.subject` for what the factory returns.
 
 A program plain torch cannot run the same way on the model (a gradient
 penalty through an op without double backward, say) is rejected as invalid
 for this model, not reported: the reference runs every op first (see
-:mod:`paramfsm.testing.checker`), and ``Report.rejected`` counts the
+:mod:`paramfsm.verify.checker`), and ``Report.rejected`` counts the
 rejections by reason.
 """
 
@@ -42,12 +42,12 @@ from hypothesis.errors import Unsatisfiable
 
 from paramfsm.engine.units import select_unit_modules
 from paramfsm.launch import RankFailure, RankPool
-from paramfsm.testing.faults import FAULTS
-from paramfsm.testing.mirror import blocks_of
-from paramfsm.testing.programs import Config, Program, Shape, canonical, programs
-from paramfsm.testing.reproduction import render
-from paramfsm.testing.runner import Options, Outcome, run_program
-from paramfsm.testing.subject import (
+from paramfsm.verify.faults import FAULTS
+from paramfsm.verify.mirror import blocks_of
+from paramfsm.verify.programs import Config, Program, Shape, canonical, programs
+from paramfsm.verify.reproduction import render
+from paramfsm.verify.runner import Options, Outcome, run_program
+from paramfsm.verify.subject import (
     FactoryError, Subject, describe, first_tensor, global_batch, import_root, load_subject, split, user_frame,
 )
 
@@ -139,7 +139,7 @@ class _StopShrinking(BaseException):
 def probe(factory, seed: int = 0, per_rank: int = 2) -> Shape:
     """What the generator needs to know about the subject, learnt by building it once here.
 
-    Raises :class:`~paramfsm.testing.subject.FactoryError` when the factory, its
+    Raises :class:`~paramfsm.verify.subject.FactoryError` when the factory, its
     batches or its model's forward fail, or its units are not the model's.
     """
     import torch
@@ -239,19 +239,19 @@ def verify(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, p
     """Run the canonical programs, then up to ``examples`` drawn ones; return a :class:`Report`.
 
     ``report.failure`` is set on failure. The canonical programs
-    (:data:`paramfsm.testing.programs.CANONICAL`) are the training-loop
+    (:data:`paramfsm.verify.programs.CANONICAL`) are the training-loop
     patterns behind the catalogued bugs; they run first, unshrunk, unless
     ``canonical_first`` is false or ``config`` fixes the configuration.
 
     ``factory``: a callable or ``"module:attribute"`` (it must be importable on
     the ranks). ``pool``: reuse a pool of ``world_size`` ranks (one is started
     and closed otherwise). ``fault``: inject a catalogued bug
-    (:mod:`paramfsm.testing.faults`) on the ranks. ``config``: fix the sharding
+    (:mod:`paramfsm.verify.faults`) on the ranks. ``config``: fix the sharding
     configuration instead of drawing it. ``progress``: called with a
     :class:`Progress` after every program.
 
     Raises ValueError for a bad argument and
-    :class:`~paramfsm.testing.subject.FactoryError` when the factory or its
+    :class:`~paramfsm.verify.subject.FactoryError` when the factory or its
     model cannot be used, before any rank starts.
     """
     _check_arguments(world_size=world_size, examples=examples, max_ops=max_ops, per_rank=per_rank, fault=fault)

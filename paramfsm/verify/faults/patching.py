@@ -1,4 +1,4 @@
-"""Monkeypatching for the fault catalogue (:mod:`paramfsm.testing.faults`): one attribute, for one block."""
+"""Monkeypatching for the fault catalogue (:mod:`paramfsm.verify.faults`): one attribute, for one block."""
 
 from __future__ import annotations
 

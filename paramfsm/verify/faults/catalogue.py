@@ -4,14 +4,14 @@ Every entry re-creates, inside paramfsm, a bug that shipped in a ZeRO-3 or
 FSDP implementation, or in the loss scaling, clipping or sharded
 checkpointing around one (the ``source`` says where it was reported). A
 fault is a context manager that monkeypatches one scheduler, executor, hooks
-or graph-task function (or, in :mod:`paramfsm.testing.training_faults`, the
+or graph-task function (or, in :mod:`paramfsm.verify.faults.training`, the
 scaler, clipping or checkpoint function) for the duration of the ``with``
 block and restores it afterwards; nothing in the normal code path knows
 about faults.
 
 Faults act in the process that activates them. Under a
 :class:`~paramfsm.launch.RankPool` the rank job activates the fault by name
-(``paramfsm.testing.runner.run_program`` takes it in its options), around
+(``paramfsm.verify.runner.run_program`` takes it in its options), around
 ``paramfsm.shard`` and the whole program: patches of methods the scheduler
 binds at construction (its effect table) only take effect on runtimes
 created while the fault is active.
@@ -34,8 +34,8 @@ from paramfsm.engine import events, executor, graph_task, hooks
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.engine.scheduler import Scheduler
-from paramfsm.testing.patching import patched as _patched
-from paramfsm.testing.training_faults import (
+from paramfsm.verify.faults.patching import patched as _patched
+from paramfsm.verify.faults.training import (
     checkpoint_offset_unpadded, clip_without_clamp, found_inf_not_agreed, scale_not_backpropagated,
     unscaled_once_per_backward,
 )

@@ -102,7 +102,7 @@ def as_subject(value) -> Subject:
         value = Subject(*value)
     if not isinstance(value, Subject):
         shape = f"a {len(value)}-tuple" if isinstance(value, (tuple, list)) else type(value).__name__
-        raise TypeError("a verify factory must return a paramfsm.testing.Subject or a tuple "
+        raise TypeError("a verify factory must return a paramfsm.verify.Subject or a tuple "
                         f"(model, make_batch, loss_fn), not {shape}")
     if not isinstance(value.model, nn.Module):
         raise TypeError(f"the model must be a torch.nn.Module, not {type(value.model).__name__}")

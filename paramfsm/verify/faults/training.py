@@ -1,9 +1,9 @@
-"""The fault catalogue's loss-scaling, clipping and checkpoint bugs (:data:`paramfsm.testing.faults.CATALOGUE`).
+"""The fault catalogue's loss-scaling, clipping and checkpoint bugs (:data:`paramfsm.verify.faults.CATALOGUE`).
 
 Each function returns the context manager that injects one bug by patching
 ``paramfsm.amp.GradScaler``, ``paramfsm.grad_norm.clip_grad_norm_`` or
 ``paramfsm.checkpoint._flat_dtensor`` for the duration of the block; the
-catalogue entries in :mod:`paramfsm.testing.faults` name each bug's source.
+catalogue entries in :mod:`paramfsm.verify.faults` name each bug's source.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from paramfsm import amp, checkpoint, grad_norm, optim
-from paramfsm.testing.patching import patched
+from paramfsm.verify.faults.patching import patched
 
 
 def found_inf_not_agreed():

@@ -1,7 +1,7 @@
 """A program as a runnable script that checks itself, like the step listing of a hypothesis stateful test.
 
 :func:`render` writes a script whose ``main`` builds the subject from its
-factory, a :class:`~paramfsm.testing.checker.Checker` (the plain-torch
+factory, a :class:`~paramfsm.verify.checker.Checker` (the plain-torch
 reference and verify's checks), ``paramfsm.shard`` with the program's
 configuration, the optimizer and a ``batch(i)`` function that gives each rank
 its share of global batch ``i``, and then runs each op as one or a few lines
@@ -26,11 +26,11 @@ import runpy
 import sys
 import traceback
 
-from paramfsm.testing.ops import (
+from paramfsm.verify.ops import (
     PENALTY_WEIGHT, Backward, Checkpoint, Clip, Drop, Flush, Forward, FullState, Gathered, Loss, Overflow, Penalty,
     Program, RequiresGrad, Step, Unscale, ZeroGrad,
 )
-from paramfsm.testing.training import SCALER
+from paramfsm.verify.loop_helpers import SCALER
 
 INDENT = "    "
 
@@ -39,7 +39,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
            message: str = "", fault: str | None = None, path: str | None = None, world: int | None = None) -> str:
     """The program as a script for ``torchrun --nproc-per-node WORLD``; ``fail_at`` marks the failing op.
 
-    ``fault``: the catalogued bug (:mod:`paramfsm.testing.faults`) the run injected; the script injects it too.
+    ``fault``: the catalogued bug (:mod:`paramfsm.verify.faults`) the run injected; the script injects it too.
     ``path``: a folder the script puts first on ``sys.path`` (where the factory's module was imported from).
     """
     used = sorted({type(op).__name__ for op in program.ops} | {"Config"})
@@ -68,15 +68,15 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         "import paramfsm",
         *(["import paramfsm.amp"] if scaled else []),
         *(["import paramfsm.checkpoint"] if "Checkpoint" in used else []),
-        "from paramfsm.testing.checker import Checker",
-        f"from paramfsm.testing.programs import {', '.join(used)}",
-        "from paramfsm.testing.reproduction import run_reproduction",
-        "from paramfsm.testing.subject import load_subject",
-        *([f"from paramfsm.testing.training import {', '.join(helpers)}"] if helpers else []),
+        "from paramfsm.verify.checker import Checker",
+        f"from paramfsm.verify.programs import {', '.join(used)}",
+        "from paramfsm.verify.reproduction import run_reproduction",
+        "from paramfsm.verify.subject import load_subject",
+        *([f"from paramfsm.verify.loop_helpers import {', '.join(helpers)}"] if helpers else []),
         "",
         *([f"sys.path.insert(0, {path!r})  # where `paramfsm verify` imported the factory's module from"]
           if path else []),
-        f"FAULT = {fault!r}  # the catalogued bug the verify run injected (paramfsm.testing.faults), if any",
+        f"FAULT = {fault!r}  # the catalogued bug the verify run injected (paramfsm.verify.faults), if any",
         "",
         "",
         "def main(rank, world):",
@@ -214,8 +214,8 @@ def run_reproduction(main, *, fault: str | None = None, timeout_s: float = 60.0,
     """
     import torch.distributed as dist
 
-    from paramfsm.testing import faults
-    from paramfsm.testing.checker import Failed, Rejected
+    from paramfsm.verify import faults
+    from paramfsm.verify.checker import Failed, Rejected
 
     stream = stream or sys.stderr
     created = not dist.is_initialized()

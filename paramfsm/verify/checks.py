@@ -3,7 +3,7 @@
 Each check returns a list of problems (strings naming the parameter and what
 is wrong); an empty list means the check passed. None of them communicates:
 every rank holds the full plain-torch reference (see
-:mod:`paramfsm.testing.runner`), so shards and shard gradients are compared
+:mod:`paramfsm.verify.runner`), so shards and shard gradients are compared
 with this rank's slice of the reference locally.
 
 [Note: invariants come from the spec]
@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 import torch
 
 from paramfsm.core.spec import State
-from paramfsm.core.trace import replay
+from paramfsm.core.replay import replay
 from paramfsm.engine.placeholder import storage
 
 
@@ -83,7 +83,7 @@ def state_invariants(rt) -> list[str]:
         for name in states[rec.state.name].invariants:
             check = INVARIANTS.get(name)
             if check is None:
-                raise KeyError(f"the spec names invariant {name!r}, which paramfsm.testing.checks does not implement")
+                raise KeyError(f"the spec names invariant {name!r}, which paramfsm.verify.checks does not implement")
             problem = check(rec)
             if problem:
                 problems.append(f"'{rec.name}' in {rec.state.name} breaks invariant {name}: {problem}")
@@ -166,7 +166,7 @@ def full_values(rt, ref_params: Mapping, atol: float, rtol: float,
 
 def communication(op_kind: str, before: Mapping, after: Mapping, *, all_deferred: bool, grad_params: int,
                   units: int, extra_gathers: int = 0) -> list[str]:
-    """Communication counts of one op are sane (see the module docstring of paramfsm.testing.runner).
+    """Communication counts of one op are sane (see the module docstring of paramfsm.verify.runner).
 
     ``extra_gathers``: all-gathers the op may issue beyond the units' (one per parameter for a state dict).
     """

@@ -1,8 +1,8 @@
 """The plain-torch reference of one rank and the checks ``paramfsm verify`` runs around every op.
 
 A :class:`Checker` wraps each op of a program, however the op is executed:
-by :mod:`paramfsm.testing.runner` on the ranks of a pool, or by the lines of a
-saved reproduction script (:mod:`paramfsm.testing.reproduction`)::
+by :mod:`paramfsm.verify.runner` on the ranks of a pool, or by the lines of a
+saved reproduction script (:mod:`paramfsm.verify.reproduction`)::
 
     check = Checker(subject, Config(), seed=0, per_rank=2)   # copies the model before sharding
     rt = paramfsm.shard(model, ...)
@@ -12,11 +12,11 @@ saved reproduction script (:mod:`paramfsm.testing.reproduction`)::
     ...
     check.finish()                                            # the trace, then rt.close()
 
-Entering the block applies the op to the reference first (:class:`~paramfsm.testing.mirror.Mirror`),
+Entering the block applies the op to the reference first (:class:`~paramfsm.verify.mirror.Mirror`),
 so an op plain torch cannot run (a model without double backward, say)
 raises :class:`Rejected` before paramfsm runs it: a limit of the model, not a
 paramfsm bug. Leaving the block runs the checks of
-:mod:`paramfsm.testing.checks` (see :mod:`paramfsm.testing.runner` for the
+:mod:`paramfsm.verify.checks` (see :mod:`paramfsm.verify.runner` for the
 list) and raises :class:`Failed` on a problem, or on any exception the op
 raised. Every rank calls one tiny all-reduce per op so that all ranks stop
 at the same op, whichever rank saw the problem.
@@ -33,12 +33,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from paramfsm.core.spec import State
-from paramfsm.testing import checks, training
-from paramfsm.testing.mirror import Mirror, loss_of, penalised  # noqa: F401 - re-exported for the runner
-from paramfsm.testing.ops import (
+from paramfsm.verify import checks, loop_helpers
+from paramfsm.verify.mirror import Mirror, loss_of, penalised  # noqa: F401 - re-exported for the runner
+from paramfsm.verify.ops import (
     Backward, Checkpoint, Config, Drop, Flush, Forward, FullState, Loss, Penalty, Step,
 )
-from paramfsm.testing.subject import describe, global_batch, split
+from paramfsm.verify.subject import describe, global_batch, split
 
 _OK, _FAILED, _REJECTED = 0, 1, 2  # what a rank reports for an op; the ranks agree on the largest
 
@@ -77,7 +77,7 @@ class Checker:
     def __init__(self, subject, config: Config = Config(), *, seed: int = 0, per_rank: int = 2, group=None):
         self.subject, self.config, self.seed, self.per_rank, self.group = subject, config, seed, per_rank, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.atol, self.rtol = training.tolerances(subject, config)
+        self.atol, self.rtol = loop_helpers.tolerances(subject, config)
         self.mirror = Mirror(subject, self.world, config)
         self.blocks = self.mirror.blocks  # what a reentrant forward checkpoints
         self.rt = None
@@ -264,7 +264,7 @@ class Checker:
 
     def scratch_dir(self) -> str:
         """A temporary folder for a DCP checkpoint, the same on every rank, removed after the op (collective)."""
-        path = training.scratch_dir(self.group)
+        path = loop_helpers.scratch_dir(self.group)
         self.scratch.append(path)
         return path
 

@@ -1,0 +1,59 @@
+"""Handing a model back: ``rt.close()`` restores plain full parameters, ``rt.detach()`` just lets go.
+
+Both remove every hook and forget the model, so it can be sharded again.
+``close`` is collective (it all-gathers every parameter and gradient);
+``detach`` issues no collective, for recovery after a peer rank failed.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from paramfsm import full_state
+from paramfsm.assembly import PARTITIONED, SHARDED
+from paramfsm.engine import hooks, partitioned, placeholder
+
+
+def remove_hooks(rt) -> None:
+    for handle in rt._handles:
+        handle.remove()
+    rt._handles = []
+    for rec in rt._by_id.values():
+        hooks.unwatch_grads(rec)
+
+
+def _forget(rt) -> None:
+    """Stop the scheduler and trace and drop the model from the registries."""
+    rt.scheduler.closed = True
+    rt.trace.close()
+    SHARDED.pop(rt.model, None)
+    for rec in rt._by_id.values():
+        PARTITIONED.pop(rec.param, None)
+
+
+def detach(rt) -> None:
+    """Remove every hook and forget the model; parameters stay as they are (their shards are lost)."""
+    remove_hooks(rt)
+    for rec in rt._by_id.values():
+        partitioned.release(rec.param)
+    _forget(rt)
+
+
+def close(rt) -> nn.Module:
+    """All-gather every parameter and gradient, restore them as plain tensors, remove every hook."""
+    if rt.scheduler.closed:
+        return rt.model
+    rt.flush()
+    with rt._reporting():
+        fulls = {id(rec): full_state.gather(rt, rec, rec.shard) for rec in rt._by_id.values()}
+        grads = {id(rec): full_state.gather(rt, rec, rec.shard.grad, full_state.GRADIENT)
+                 for rec in rt._by_id.values() if rec.shard.grad is not None}
+    remove_hooks(rt)
+    _forget(rt)
+    for rec in rt._by_id.values():
+        placeholder.reveal(rec.param)
+        partitioned.release(rec.param)
+        rec.param.data = fulls[id(rec)]
+        if id(rec) in grads:
+            rec.param.grad = grads[id(rec)]
+    return rt.model
