@@ -41,13 +41,15 @@ def check_installation(checkout: Path) -> None:
 
 
 def check_extras() -> None:
-    """The hf and verify extras bring what paramfsm.integrations.hf and ``paramfsm verify`` import."""
+    """The hf and verify extras bring what paramfsm.integrations.hf and ``paramfsm verify`` import.
+
+    ``paramfsm verify`` itself runs as a command afterwards (see check_wheel.py).
+    """
     import accelerate  # noqa: F401  (ShardedTrainer's Accelerator)
     import hypothesis  # noqa: F401
     import safetensors.torch  # noqa: F401
 
     from paramfsm.integrations import hf
-    from paramfsm.testing import verify  # noqa: F401
 
     assert callable(hf.load_pretrained)
 
