@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo bench lint mutants mutate verify gpu-check clean
+.PHONY: install test check-wheel demo bench lint mutants mutate verify gpu-check clean
 
 install: $(STAMP)
 
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml Makefile
 
 test: install
 	$(PY) -m pytest -q
+
+# The packaging check: build the sdist and wheel, install the wheel into a new virtual environment and
+# use it from outside the checkout (see .ci/check_wheel.py; about two minutes). CI runs it after make test.
+check-wheel: install
+	$(PY) .ci/check_wheel.py
 
 demo: install
 	$(PY) -m paramfsm.demo --out demo-out
@@ -66,4 +71,4 @@ gpu-check:
 	@$(GPU_PYTHON) -m paramfsm.testing.gpu_check
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache .hypothesis mutants
+	rm -rf $(VENV) demo-out .pytest_cache .hypothesis mutants build dist *.egg-info

@@ -11,12 +11,20 @@ retained)``. Because ``holds`` only matters as 0, 1 or "2 or more", the
 extended state has twelve classes, so totality and guard overlap are checked
 exhaustively rather than by argument.
 
+The shipped spec is package data: a wheel carries ``specs/*.toml`` as
+``paramfsm/specs/`` (``setup.py`` copies them at build time, so the
+repository's ``specs/`` stays the one source) and :func:`shipped_spec` finds
+it through ``importlib.resources``. An editable install or a bare checkout has
+no such copy; there the same function reads the ``specs/`` folder that sits
+next to the package.
+
 This module imports neither ``torch.distributed`` nor ``cupy``.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib.resources
 import itertools
 import reprlib
 import tomllib
@@ -27,7 +35,19 @@ import attrs
 
 from paramfsm.errors import SpecError
 
-DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "specs" / "param_lifetime.toml"
+
+def shipped_spec(name: str = "param_lifetime.toml") -> Path:
+    """Path of a spec shipped with paramfsm: the package's copy, else the checkout's ``specs/``.
+
+    When neither exists the package's path is returned, so the error names where an installed
+    paramfsm should have its spec.
+    """
+    package = Path(importlib.resources.files("paramfsm"))
+    packaged, checkout = package / "specs" / name, package.parent / "specs" / name
+    return checkout if checkout.is_file() and not packaged.is_file() else packaged
+
+
+DEFAULT_SPEC = shipped_spec()
 
 
 class State(enum.Enum):
@@ -138,7 +158,8 @@ def load_spec(path: str | Path | None = None) -> Spec:
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise SpecError(path, "file", "no such file") from None
+        hint = " (this paramfsm was installed without its spec; reinstall it)" if path == DEFAULT_SPEC else ""
+        raise SpecError(path, "file", f"no such file{hint}") from None
     except OSError as exc:
         raise SpecError(path, "file", f"cannot read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:

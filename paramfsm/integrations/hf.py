@@ -11,7 +11,7 @@ Saving needs no helper: ``model.save_pretrained(d, state_dict=rt.full_state_dict
 on rank 0 (``full_state_dict`` is collective: every rank calls it) writes the
 same keys and bytes as a plain save of the unsharded model.
 
-The Trainer needs ``accelerate`` (``pip install "transformers[torch]"``).
+The Trainer needs ``accelerate``; the ``hf`` extra brings it, with transformers and safetensors.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Stages, each recorded as a row (a failing stage does not stop the next):
 5. ``benchmarks/step_gpu.py``, the two-loss step against plain torch and FSDP2.
 
 Exit status: 0 when every stage passes, 1 when one fails, 2 when there is no
-GPU to check (one line says why). ``--quick`` runs stages 1-3 only.
+GPU to check or it does not run in a checkout (one line says why). ``--quick``
+runs stages 1-3 only.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import tomllib
 from functools import partial
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+# The checkout it runs in (make gpu-check runs from its root): its tests/ and benchmarks/ are not in the package.
+REPO = Path.cwd()
 #: Modules the check imports, and the pyproject extra that provides each.
-NEEDED = {"cupy": "cuda", "transitions": None, "attrs": None, "hypothesis": "test", "pytest": "test"}
+NEEDED = {"cupy": "cuda", "transitions": None, "attrs": None, "hypothesis": "verify", "pytest": "test"}
 UNPACK_SMALL_VS_PER_TENSOR = 3.0  # the unpack kernel against a per-tensor torch loop, 1,000 small parameters
 UNPACK_LARGE_VS_COPY = 0.8  # the unpack kernel's bandwidth against one device-to-device copy
 
@@ -207,6 +209,9 @@ def main(argv=None) -> int:
         return 2
     if not torch.cuda.is_available():
         print(f"gpu-check: torch {torch.__version__} sees no CUDA device here; nothing to check")
+        return 2
+    if not (REPO / "tests").is_dir() or not (REPO / "benchmarks").is_dir():
+        print(f"gpu-check: {REPO} is not a paramfsm checkout; run make gpu-check from one")
         return 2
     table = Table()
     stages = (run_pytest, two_loss_runs) if quick else (run_pytest, two_loss_runs, gather_scatter, step_benchmark)
