@@ -26,10 +26,14 @@ def write(path, records) -> str:
     return str(path)
 
 
-def test_an_empty_trace_fails_the_check(tmp_path, capsys):
+@pytest.mark.parametrize("command", [["check"], ["summary"], ["export", "--perfetto", "out.json"]])
+def test_an_empty_trace_is_bad_input_to_check_summary_and_export(tmp_path, capsys, command):
+    """An empty trace shows nothing: every command that reads one trace says so and exits 1 alike."""
     (tmp_path / "empty.jsonl").write_text("", encoding="utf-8")
-    status, _, err = run(capsys, "trace", "check", str(tmp_path / "empty.jsonl"))
-    assert status == 1 and "no records" in err and err.count("\n") == 1, err
+    status, out, err = run(capsys, "trace", command[0], str(tmp_path / "empty.jsonl"),
+                           *[str(tmp_path / a) if a.endswith(".json") else a for a in command[1:]])
+    assert status == 1 and "no records" in err and err.count("\n") == 1 and not out, (out, err)
+    assert not (tmp_path / "out.json").exists()
 
 
 def test_a_trace_ending_gathered_needs_allow_open(tmp_path, capsys):
