@@ -135,3 +135,45 @@ def test_mesh_coordinates_survive_every_way_of_keeping_a_trace(tmp_path):
     assert all(r.coord == (1, 1) for r in runs["full"])
     plain = scenario_trace().records[0]
     assert "coord" not in plain.to_json() and plain.coord == ()
+
+
+def test_a_snapshot_spliced_into_a_parameters_records_fails_the_check(tmp_path, capsys):
+    """A snapshot only opens a parameter's records (a flight-recorder window). Spliced in after a
+    fetch that nobody released, it would hide the holder: the check must name it."""
+    table = default_table()
+    trace = Trace(0, digest=table.digest)
+    ctx = StepContext(0, trace)
+    a = Lifetime("a", "u", 64)
+    for event in ("fetch", "arrive", "release", "fetch", "arrive"):
+        step(table, a, event, ctx)
+    records = trace.records
+    snapshot = attrs.evolve(records[-1], seq=records[-1].seq + 1, event=SNAPSHOT, src="NOT_AVAILABLE",
+                            dst="NOT_AVAILABLE", effects=(), holds=0)
+    path = write(tmp_path / "spliced.jsonl", records + [snapshot])
+    for extra in ((), ("--allow-open",)):
+        status, _, err = run(capsys, "trace", "check", path, *extra)
+        assert status == 1 and "record 5" in err and "snapshot record must open" in err, err
+    status, _, err = run(capsys, "trace", "summary", path)
+    assert status == 3 and "snapshot record must open" in err, err
+
+
+def test_a_ring_dump_keeps_a_leak_whose_records_scrolled_out(tmp_path, capsys):
+    """A parameter fetched and never released, then thousands of other transitions: the ring no longer
+    holds its records, but its dump still shows it gathered, so check and summary name the leak."""
+    table = default_table()
+    trace = Trace(0, limit=16, digest=table.digest)
+    leaked, busy = Lifetime("leaked", "head", 64), Lifetime("busy", "body", 64)
+    trace.lifetimes = (leaked, busy)
+    ctx = StepContext(0, trace)
+    for event in ("fetch", "arrive"):
+        step(table, leaked, event, ctx)
+    for i in range(40):
+        ctx.step = i
+        for event in ("fetch", "arrive", "release"):
+            step(table, busy, event, ctx)
+    path = trace.dump(tmp_path / "ring.jsonl")
+    assert all(r.event == SNAPSHOT for r in Trace.load(path).records if r.param == "leaked")
+    status, _, err = run(capsys, "trace", "check", str(path))
+    assert status == 1 and "rank 0 'leaked' ends AVAILABLE" in err, err
+    status, out, _ = run(capsys, "trace", "summary", str(path))
+    assert status == 0 and "leaks: 1" in out and "'leaked' (unit 'head') ends AVAILABLE" in out, out
