@@ -122,13 +122,14 @@ def reentrant_blocks(model: nn.Module, names):
 
 
 def perturbed(state_dict: dict) -> dict:
-    """A state dict whose floating-point values all differ from ``state_dict``'s (aliases stay aliases)."""
-    out, done = {}, {}
-    for key, value in state_dict.items():
-        if id(value) not in done:
-            done[id(value)] = value * 0.75 + 0.125 if value.is_floating_point() else value
-        out[key] = done[id(value)]
-    return out
+    """A state dict whose floating-point values all differ from ``state_dict``'s.
+
+    Every key gets a tensor of its own: the keys of a tied parameter hold
+    equal values in distinct tensors, as in a state dict copied or converted
+    key by key (``{k: v.to(dtype)}``), which a load must accept.
+    """
+    return {key: value * 0.75 + 0.125 if value.is_floating_point() else value.clone()
+            for key, value in state_dict.items()}
 
 
 def force_overflow(rt, name: str, index: int) -> None:
