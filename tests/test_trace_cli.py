@@ -49,7 +49,7 @@ def test_a_trace_made_under_another_spec_says_so(tmp_path, capsys):
     records = [attrs.evolve(r, spec="0123456789ab") for r in scenario_trace().records]
     status, _, err = run(capsys, "trace", "check", write(tmp_path / "other.jsonl", records))
     assert status == 1 and "recorded under spec 0123456789ab" in err, err
-    assert default_table().digest in err, err
+    assert default_table().digest in err and "illegal record 0 (seq 0," in err, err
 
 
 @pytest.mark.parametrize("command", ["summary", "export"])
@@ -152,7 +152,8 @@ def test_a_snapshot_spliced_into_a_parameters_records_fails_the_check(tmp_path, 
     path = write(tmp_path / "spliced.jsonl", records + [snapshot])
     for extra in ((), ("--allow-open",)):
         status, _, err = run(capsys, "trace", "check", path, *extra)
-        assert status == 1 and "record 5" in err and "snapshot record must open" in err, err
+        assert status == 1 and "record 5" in err, err
+        assert "a snapshot record must open the parameter's records and name one state" in err, err
     status, _, err = run(capsys, "trace", "summary", path)
     assert status == 3 and "snapshot record must open" in err, err
 
@@ -177,3 +178,35 @@ def test_a_ring_dump_keeps_a_leak_whose_records_scrolled_out(tmp_path, capsys):
     assert status == 1 and "rank 0 'leaked' ends AVAILABLE" in err, err
     status, out, _ = run(capsys, "trace", "summary", str(path))
     assert status == 0 and "leaks: 1" in out and "'leaked' (unit 'head') ends AVAILABLE" in out, out
+
+
+def _deferred_window():
+    """A ring window that opens with 'a' DEFERRED_RELEASE (no holders) and 'b' resting, then goes on."""
+    table = default_table()
+    trace = Trace(0, limit=6, digest=table.digest)
+    a, b = Lifetime("a", "u", 64), Lifetime("b", "v", 64)
+    trace.lifetimes = (a, b)
+    ctx = StepContext(0, trace)
+    for event in ("fetch", "arrive"):
+        step(table, a, event, ctx)
+    step(table, a, "release", ctx, keep_graph=True)  # a retained backward: 'a' waits deferred
+    for _ in range(3):
+        for event in ("fetch", "arrive", "release"):
+            step(table, b, event, ctx)
+    return trace.records
+
+
+def test_snapshots_open_a_window_and_nothing_else(tmp_path, capsys):
+    """A deferred parameter opens the window with no holders and replays; a snapshot naming two states, or
+    an illegal record after the snapshots, is rejected."""
+    records = _deferred_window()
+    opening = [r for r in records if r.event == SNAPSHOT]
+    assert [(r.param, r.dst, r.holds) for r in opening] == [("a", "DEFERRED_RELEASE", 0)]
+    status, out, _ = run(capsys, "trace", "check", write(tmp_path / "window.jsonl", records), "--allow-open")
+    assert status == 0 and "1 parameter(s) end gathered" in out, out
+    two_states = [attrs.evolve(records[0], src="AVAILABLE")] + records[1:]
+    status, _, err = run(capsys, "trace", "check", write(tmp_path / "two.jsonl", two_states), "--allow-open")
+    assert status == 1 and "record 0" in err and "name one state" in err, err
+    illegal = records[:-1] + [attrs.evolve(records[-1], src="INFLIGHT")]
+    status, _, err = run(capsys, "trace", "check", write(tmp_path / "late.jsonl", illegal), "--allow-open")
+    assert status == 1 and f"record {len(records) - 1}" in err and "left the parameter in" in err, err
