@@ -339,3 +339,20 @@ def test_a_ring_window_opens_with_snapshots_stamped_like_its_first_record():
     assert records[3].t_ns != first.t_ns and replay(records, table) is None
     trace.clear()
     assert [(r.param, r.seq, r.t_ns, r.step, r.graph_task) for r in trace.records] == [("b", 5, 0, 0, -1)]
+
+
+def test_a_ring_that_dropped_its_first_record_opens_with_a_snapshot():
+    from paramfsm.core.fsm import Lifetime, StepContext, step
+    from paramfsm.core.replay import replay
+
+    table = default_table()
+    trace = Trace(0, limit=2, digest=table.digest)
+    a = Lifetime("a", "u", 64)
+    trace.lifetimes = (a,)
+    ctx = StepContext(0, trace)
+    for event in ("fetch", "arrive", "release"):
+        step(table, a, event, ctx)
+    records = trace.records
+    assert [(r.event, r.seq, r.dst) for r in records] == [(SNAPSHOT, 1, "INFLIGHT"), ("arrive", 1, "AVAILABLE"),
+                                                          ("release", 2, "NOT_AVAILABLE")]
+    assert replay(records, table) is None
