@@ -148,10 +148,7 @@ NOT_REPLAYING = 3
 def _trace_check(args) -> int:
     from paramfsm.core.replay import final_states
 
-    records = _load_trace(args.file)
-    if not records:
-        raise CommandError(f"{args.file}: the trace has no records, so it shows nothing (was it made with "
-                           "trace=0, or dumped before the first forward?)")
+    records = _load_records(args.file)
     table, error = _replay(records, args.spec)
     if error is not None:
         raise CommandError(f"{args.file}: illegal {error}")
@@ -189,7 +186,7 @@ def _warn_unless_replaying(args, records) -> int:
 def _trace_summary(args) -> int:
     from paramfsm.core.trace_report import summarize
 
-    records = _load_trace(args.file)
+    records = _load_records(args.file)
     print(summarize(records).format())
     return _warn_unless_replaying(args, records)
 
@@ -197,7 +194,7 @@ def _trace_summary(args) -> int:
 def _trace_export(args) -> int:
     from paramfsm.core.perfetto import write_perfetto
 
-    records = _load_trace(args.file)
+    records = _load_records(args.file)
     try:
         write_perfetto(records, args.perfetto)
     except OSError as exc:
@@ -215,6 +212,15 @@ def _trace_diff(args) -> int:
         print(f"the traces agree ({len(a)} records)")
         return 0
     raise CommandError(f"{args.a} and {args.b} diverge: {divergence}")
+
+
+def _load_records(path: Path):
+    """The records of a trace that ``check``, ``summary`` and ``export`` read: an empty one is bad input (exit 1)."""
+    records = _load_trace(path)
+    if not records:
+        raise CommandError(f"{path}: the trace has no records, so it shows nothing (was it made with "
+                           "trace=0, or dumped before the first forward?)")
+    return records
 
 
 def _load_trace(path: Path):

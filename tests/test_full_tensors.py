@@ -84,3 +84,71 @@ def in_step_job(rank, world, debug):
 @pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
 def test_full_tensors_in_step_match_plain_torch(ranks2, debug):
     assert ranks2.run(in_step_job, debug) == [(True, True)] * 2
+
+
+def two_parameters_job(rank, world):
+    """Rank 0 asks for one parameter's full gradient while rank 1 asks for another's full value, of the
+    same size: a collective of the same size on both ranks, but not the same tensor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6, bias=False), nn.Linear(6, 6, bias=False))
+    plain = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rt = paramfsm.shard(model)
+    model(torch.randn(2, 6, generator=torch.Generator().manual_seed(1))).sum().backward()
+    try:
+        got = rt.full_grad("0.weight") if rank == 0 else rt.full_param("1.weight")
+        caught = None
+    except RankDesync as exc:
+        caught, got = str(exc), None
+    again = {n: rt.full_param(n) for n in plain}  # the same request on both ranks: in step again
+    rt.close()
+    return caught, got, all(torch.equal(again[n], plain[n]) for n in plain)
+
+
+def test_full_tensors_of_two_parameters_of_one_size_raise_rank_desync(ranks2):
+    for rank, (caught, got, recovered) in enumerate(ranks2.run(two_parameters_job)):
+        assert caught is not None, f"rank {rank} returned a mixed tensor instead of raising: {got}"
+        assert "<full gradient '0.weight'>" in caught and "<full parameter '1.weight'>" in caught, caught
+        assert recovered
+
+
+class Tied(nn.Module):
+    """An embedding and an LM head sharing one weight: two state-dict keys, one parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+def tied_load_job(rank, world):
+    """Load a plain tied model's state dict whose two keys are equal but distinct tensors (as a copy per
+    key, a dtype or device conversion, or a file without aliases gives) into a sharded tied model."""
+    torch.manual_seed(0)
+    plain = Tied()
+    copied = {key: value.clone() for key, value in plain.state_dict().items()}
+    assert copied["embed.weight"] is not copied["head.weight"]
+    torch.manual_seed(1)
+    model = Tied()
+    rt = paramfsm.shard(model)
+    rt.load_full_state_dict(copied)
+    loaded = rt.full_state_dict()
+    tokens = torch.tensor([[1, 2, 3]])
+    same_output = torch.allclose(model(tokens), plain(tokens))
+    copied["head.weight"] = copied["head.weight"] + 1
+    try:
+        rt.load_full_state_dict(copied)
+        refused = None
+    except paramfsm.ParamFSMError as exc:
+        refused = str(exc)
+    rt.close()
+    return torch.equal(loaded["embed.weight"], plain.embed.weight), same_output, refused
+
+
+def test_a_plain_tied_state_dict_with_distinct_equal_tensors_loads(ranks2):
+    for loaded, same_output, refused in ranks2.run(tied_load_job):
+        assert loaded and same_output
+        assert refused and "'embed.weight' and 'head.weight'" in refused and "different values" in refused

@@ -54,10 +54,14 @@ def mixed_job(rank, world, rank_check, steps=3):
         buckets = []
         executor.start_gather = lambda records, start=executor.start_gather: (buckets.append(len(records)),
                                                                                start(records))
+        counted = wire = 0  # gathered bytes: the runtime's counter, and what its all-gathers received
         for step in range(steps):
             x, = batch(step, world, 2, (BIG,))
             pair.zero_grad()
+            before, issued_before = pair.rt.counters["gathered_bytes"], len(issued)
             pair.model(pair.local(x)).pow(2).mean().backward()
+            counted += pair.rt.counters["gathered_bytes"] - before
+            wire += 4 * sum(issued[issued_before:])
             pair.ref.model(x).pow(2).mean().backward()
             pair.check_grads(f"step {step}")
             pair.step(f"step {step}")
@@ -66,6 +70,7 @@ def mixed_job(rank, world, rank_check, steps=3):
         pair.finish()
     finally:
         gathers.all_gather_flat = original
+    assert counted == wire > 0, f"counters['gathered_bytes'] counted {counted} bytes, the all-gathers moved {wire}"
     return logical, len(issued), in_place, pair.checks
 
 

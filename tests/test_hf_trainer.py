@@ -5,7 +5,8 @@ of every global batch (the Trainer shards its data loader as under torchrun)
 and the plain Trainer takes the whole batch. Per-step losses and gradient
 norms (clipping is active), the final parameters and the evaluation loss must
 agree; the model saved by ``save_model`` loads with ``from_pretrained`` and
-gives the sharded model's logits; a run resumed from the step-2 checkpoint (model, every rank's
+gives the sharded model's logits (only the writing rank holds the full tensors; with
+``save_on_each_node`` the first rank of every node writes a complete model); a run resumed from the step-2 checkpoint (model, every rank's
 optimizer shards, scheduler) ends where the uninterrupted run ended. With
 ``args.bf16`` (Accelerate's autocast) it matches a plain bf16 Trainer.
 """
@@ -196,3 +197,67 @@ def test_what_the_sharded_trainer_refuses(ranks1):
     assert len(messages) == 4, messages
     assert "runtime=rt" in messages[0] and "not the one the runtime shards" in messages[1]
     assert "fp16" in messages[2] and "bf16" in messages[2] and "model_init" in messages[3]
+
+
+@contextlib.contextmanager
+def fresh_accelerate_state():
+    """Accelerate keeps its process state per process; a job that changes the torchrun variables
+    starts and leaves it empty, so the next Trainer reads them again."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(True)
+
+
+def save_job(rank, world, each_node):
+    """``save_model`` on 2 ranks: which rank holds the full tensors, and what each writes.
+
+    ``each_node``: every rank is the first of its own node (LOCAL_RANK 0, a node-local output folder),
+    as with ``save_on_each_node=True`` on 2 nodes of one rank; each writes a complete model.
+    """
+    local = (0, 1) if each_node else (rank, world)
+    with torchrun_env(rank, world), tempfile.TemporaryDirectory() as node_dir, fresh_accelerate_state():
+        os.environ.update(LOCAL_RANK=str(local[0]), LOCAL_WORLD_SIZE=str(local[1]))
+        shared = [node_dir]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        out = node_dir if each_node else shared[0]
+        model = build()
+        plain = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        rt = paramfsm.shard(model)
+        kept = []
+        full_state_dict = rt.full_state_dict
+
+        def spying(**kwargs):
+            result = full_state_dict(**kwargs)
+            kept.append(len(result))
+            return result
+
+        rt.full_state_dict = spying
+        args = arguments(out, PER_RANK, save_on_each_node=each_node)
+        trainer = hf.ShardedTrainer(model=model, args=args, train_dataset=dataset(), runtime=rt)
+        trainer.save_model(os.path.join(out, "model"))
+        should_save = args.should_save
+        torch.distributed.barrier()
+        written = sorted(os.listdir(os.path.join(out, "model"))) if os.path.isdir(os.path.join(out, "model")) else []
+        err = None
+        if "model.safetensors" in written:
+            loaded = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(out, "model")).state_dict()
+            err = max((loaded[k] - v).abs().max().item() for k, v in plain.items())
+        torch.distributed.barrier()
+        rt.close()
+    return kept, written, err, should_save
+
+
+@pytest.mark.parametrize("each_node", [False, True], ids=["rank0", "save_on_each_node"])
+def test_save_model_keeps_full_tensors_only_where_they_are_written(ranks2, each_node):
+    results = ranks2.run(save_job, each_node)
+    for rank, (kept, written, err, should_save) in enumerate(results):
+        writes = each_node or rank == 0
+        assert should_save == writes
+        assert len(kept) == 1 and (kept[0] > 0) == writes, f"rank {rank} kept {kept} full tensors"
+        if writes:
+            assert "model.safetensors" in written and err == 0.0, (rank, written, err)
+    assert results[0][1] == results[1][1], "one shared folder, or two node folders with the same files"

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from patterns_common import Pair, batch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
 
 import paramfsm
@@ -58,13 +60,35 @@ def hybrid_job(rank, world, shape, retain, save_to=None):
         want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         assert torch.allclose(norm, want, rtol=1e-5), (norm, want)
         pair.step(f"step {step}")
+    written = None
     if save_to is not None:
-        paramfsm.checkpoint.save(pair.rt, save_to)
+        written = _chunks_written(lambda: paramfsm.checkpoint.save(pair.rt, save_to))
     params = {n: pair.rt.full_param(n) for n, _ in model.named_parameters()}
     on_rank0 = pair.rt.full_state_dict(rank0_only=True)
     assert bool(on_rank0) == (rank == 0), "rank0_only keeps the full tensors on global rank 0 alone"
     report = pair.finish()
-    return params, report["counters"], sorted({(r.rank, r.coord) for r in pair.rt.trace.records})
+    return params, report["counters"], sorted({(r.rank, r.coord) for r in pair.rt.trace.records}), written
+
+
+def _chunks_written(save) -> list[tuple[int, str, tuple[int, ...]]]:
+    """Run ``save`` and return what every rank wrote to the checkpoint: (rank, key, chunk offset) per item
+    (collective). Counted where DCP's file writer reports each item it wrote."""
+    mine = []
+    original = FileSystemWriter.write_data
+
+    def counting(self, plan, planner):
+        future = original(self, plan, planner)
+        mine.extend((dist.get_rank(), r.index.fqn, tuple(r.index.offset or ())) for r in future.wait())
+        return future
+
+    FileSystemWriter.write_data = counting
+    try:
+        save()
+    finally:
+        FileSystemWriter.write_data = original
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [item for items in everyone for item in items]
 
 
 def load_job(rank, world, shape, path):
@@ -87,7 +111,7 @@ def trained_2x2(ranks4, tmp_path_factory):
 @pytest.mark.parametrize("retain", ["defer", "regather"])
 def test_hybrid_2x2_matches_plain_torch(ranks4, trained_2x2, retain):
     results = trained_2x2[1] if retain == "defer" else ranks4.run(hybrid_job, (2, 2), retain)
-    for rank, (params, counters, trace_ranks) in enumerate(results):
+    for rank, (params, counters, trace_ranks, _) in enumerate(results):
         assert trace_ranks == [(rank, divmod(rank, 2))], "records carry the global rank and (replica, shard)"
         assert counters["reduce_scatters"] > 0
         for name, value in params.items():
@@ -101,3 +125,16 @@ def test_a_2x2_checkpoint_loads_on_4x1_and_1x2(ranks4, ranks2, trained_2x2):
         for got in pool.run(load_job, shape, str(path)):
             for name, value in saved.items():
                 assert torch.equal(got[name], value), f"{shape}: {name}"
+
+
+def test_a_2x2_checkpoint_writes_each_shard_once(trained_2x2):
+    """Two replicas hold the same shards: one copy of each goes to the checkpoint, not one per replica
+    (twice the write traffic, and two ranks writing one file on a shared file system)."""
+    written = trained_2x2[1][0][3]
+    chunks = [(key, offset) for _, key, offset in written]
+    twice = sorted({chunk for chunk in chunks if chunks.count(chunk) > 1})
+    assert not twice, f"written by more than one rank: {twice[:5]}"
+    keys = {key for key, _ in chunks}
+    assert "blocks.0.qkv.weight" in keys and "head.weight" in keys, sorted(keys)
+    shards = {(key, offset) for key, offset in chunks if key == "blocks.0.qkv.weight"}
+    assert len(shards) == 2, f"the shard dimension has 2 ranks, so 2 chunks per parameter: {shards}"

@@ -6,12 +6,15 @@ import re
 
 import pytest
 
-from paramfsm import amp, checkpoint, grad_norm
+from paramfsm import amp, checkpoint, full_state, grad_norm
+from paramfsm.core import replay
+from paramfsm.core.trace import Trace
 from paramfsm.engine import events, executor, graph_task, hooks
 from paramfsm.engine.executor import Executor
+from paramfsm.engine.higher_order import SecondOrderEntry
 from paramfsm.engine.scheduler import Scheduler
 from paramfsm.verify import faults
-from paramfsm.testing.mutants import format_table, main, run_catalogue
+from paramfsm.testing.mutants import format_table, main, run_catalogue, trace_check
 from paramfsm.verify.reproduction import run_saved
 from paramfsm.verify.engine import examples_from_env
 
@@ -32,7 +35,8 @@ def _patchable():
             {name: getattr(Executor, name) for name in dir(Executor) if not name.startswith("__")},
             hooks._post_forward, events.ForwardCall.__del__, graph_task.queue_final_callback,
             executor.reduce_scatter_flat, dict(vars(amp.GradScaler)), grad_norm.clip_grad_norm_,
-            checkpoint._flat_dtensor)
+            checkpoint._flat_dtensor, vars(SecondOrderEntry)["backward"], full_state.load_full_state_dict,
+            replay.replay, Trace._snapshot)
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))
@@ -73,6 +77,8 @@ def test_every_saved_reproduction_fails_with_the_check(catalogue, ranks2, tmp_pa
     problem, rows = catalogue
     assert problem is None, problem
     for row in rows:
+        if row.fault.trace_scenario is not None:
+            continue  # killed through trace check: no program to reproduce
         finding = row.finding
         assert finding is not None, f"{row.fault.name} survived"
         script = tmp_path / f"repro_{row.fault.name}.py"
@@ -101,3 +107,15 @@ def test_mutants_lists_the_catalogue(capsys):
     assert main(["--list"]) == 0
     out = capsys.readouterr().out
     assert all(fault.name in out for fault in faults.CATALOGUE)
+
+
+def test_faults_in_what_trace_check_reads_are_killed_through_trace_check(catalogue):
+    """A spliced snapshot and a ring that forgets an idle leak: each scenario's trace is rejected by
+    ``paramfsm trace check`` on the unmutated code and accepted with the fault, so the row says killed."""
+    problem, rows = catalogue
+    assert problem is None, problem
+    traced = [row for row in rows if row.fault.trace_scenario is not None]
+    assert {row.fault.name for row in traced} == {"snapshot_accepted_anywhere", "ring_window_forgets_idle"}
+    for row in traced:
+        assert row.killed and row.check == "trace check", format_table(rows)
+        assert trace_check(row.fault, None) == 1 and trace_check(row.fault, row.fault.name) == 0

@@ -63,7 +63,7 @@ def checkpoint_job(rank, world, reentrant, frozen, retain, n_losses, steps=2):
     model, ref = pair.model, pair.ref.model
     if frozen:
         assert not pair.rt.record("blocks.0.0.base.weight").requires_grad
-    deferred_seen = []
+    deferred_seen, kept_seen = [], []
     for step in range(steps):
         x, y = batch(step, world, 2, (4,), (3,))
         out, ref_out = model(pair.local(x)), ref(x)
@@ -76,13 +76,15 @@ def checkpoint_job(rank, world, reentrant, frozen, retain, n_losses, steps=2):
             ref_loss.backward(retain_graph=keep)
             if keep:
                 deferred_seen.append(pair.rt.deferred_bytes)
+                kept_seen.append(sorted(n for n, s in pair.rt.states().items() if s is State.DEFERRED_RELEASE))
                 pair.assert_states(State.DEFERRED_RELEASE, State.NOT_AVAILABLE, what="after a retained backward")
             else:
                 pair.assert_states(State.NOT_AVAILABLE, what="after the final backward")
             pair.check_grads(f"step {step} backward {i}")
         pair.step(f"step {step}")
     report = pair.finish()
-    report["deferred_seen"] = deferred_seen
+    report["deferred_seen"], report["kept_seen"] = deferred_seen, kept_seen
+    report["names"] = sorted(n for n, _ in model.named_parameters())
     return report
 
 
@@ -102,6 +104,14 @@ def test_checkpoint_two_losses_retained_graph(ranks2, reentrant, retain):
         assert all(b > 0 for b in report["deferred_seen"]), report["deferred_seen"]
     else:
         assert report["deferred_seen"] == [0, 0]
+    # What a retained backward keeps for the next one over the same graph. Non-reentrant checkpointing
+    # recomputes from the retained graph's saved-tensor hooks, so every unit stays deferred. Reentrant
+    # checkpointing recomputes the blocks in a nested backward of its own (a graph task that keeps no
+    # graph), and the next backward recomputes them again: only the units outside the blocks stay.
+    names = report["names"]
+    outside = [n for n in names if not n.startswith("blocks.")]
+    kept = [] if retain == "regather" else outside if reentrant else names
+    assert report["kept_seen"] == [kept, kept], (report["kept_seen"], kept)
 
 
 def communication_job(rank, world, reentrant, steps=4):

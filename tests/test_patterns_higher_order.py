@@ -88,3 +88,38 @@ def test_gradient_penalty(ranks2, wrt, retain, bound):
 def test_penalty_alone_reaches_parameters_only_through_recorded_gradients(ranks2, wrt):
     """The final backward runs only recorded backward nodes: no forward node fetches anything first."""
     assert ranks2.run(penalty_job, wrt, "regather", None, False)[0]["checks"] == 4
+
+
+def retained_penalty_job(rank, world, retain):
+    """``penalty.backward(retain_graph=True)`` twice through recorded gradients only (wrt the parameters).
+
+    With ``retain="defer"`` the retained backward keeps every unit it fetched DEFERRED_RELEASE, so the
+    second backward over the same graph gathers nothing; with ``"regather"`` it releases them and the
+    second backward gathers again. Gradients match plain torch after each backward either way.
+    """
+    torch.manual_seed(0)
+    pair = Pair(PenaltyNet(), rank, world, make_optimizer=_sgd, retain=retain, bucket_bytes=0, prefetch=0)
+    model, ref = pair.model, pair.ref.model
+    x, = batch(0, world, 2, (4,))
+    pair.zero_grad()
+    penalty = _objective(model, pair.local(x), "param", False)
+    ref_penalty = sum(_objective(ref, part, "param", False) for part in x.chunk(world)) / world
+    penalty.backward(retain_graph=True)
+    ref_penalty.backward(retain_graph=True)
+    kept = State.DEFERRED_RELEASE if retain == "defer" else State.NOT_AVAILABLE
+    pair.assert_states(kept, what="after the retained penalty backward")
+    pair.check_grads("retained penalty backward", atol=1e-5)
+    before = pair.rt.counters["all_gathers"]
+    penalty.backward()
+    gathers = pair.rt.counters["all_gathers"] - before
+    ref_penalty.backward()
+    pair.assert_states(State.NOT_AVAILABLE, what="after the final penalty backward")
+    pair.check_grads("final penalty backward", atol=1e-5)
+    pair.step("step")
+    pair.finish()
+    return gathers
+
+
+def test_a_retained_penalty_backward_defers_and_the_next_backward_gathers_nothing(ranks2):
+    assert ranks2.run(retained_penalty_job, "defer") == [0, 0]
+    assert min(ranks2.run(retained_penalty_job, "regather")) > 0

@@ -9,6 +9,7 @@ parameters left gathered after an exception.
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -142,12 +143,50 @@ def test_optimizer_state_dict_round_trip(ranks2):
     assert ranks2.run(state_dict_job)[0] < 1e-5
 
 
-def stale_state_job(rank, world):
+def unfreeze_job(rank, world, steps=4):
+    """Gradual unfreezing: the optimizer starts on the head; the body joins with ``add_param_group``
+    after the first step, with its own learning rate. Both groups train like plain torch."""
+    model = _model()
+    ref = Reference(model)
+    rt = paramfsm.shard(model, strict=True)
+
+    def head_first(net):
+        named = dict(net.named_parameters())
+        head = [n for n in named if n.startswith("head")]
+        return torch.optim.AdamW([named[n] for n in head], **ADAM), [p for n, p in named.items() if n not in head]
+
+    opt, body = head_first(model)
+    ref_opt, ref_body = head_first(ref.model)
+    assert body and len(body) == len(ref_body)
+    worst = 0.0
+    for step in range(steps):
+        if step == 1:
+            opt.add_param_group({"params": body, "lr": 3e-3})
+            ref_opt.add_param_group({"params": ref_body, "lr": 3e-3})
+        _train_step(step, rank, world, model, opt, ref.model, ref_opt)
+        worst = max(worst, assert_close_dicts(sharded_params(rt, model), ref.params(), atol=1e-5,
+                                              what=f"step {step}"))
+    shards = {id(s) for s in rt.shard_parameters()}
+    mapped = [id(p) in shards for group in opt.param_groups for p in group["params"]]
+    assert all(mapped) and len(mapped) == len(shards), "the added group was not mapped to shards"
+    rt.close()
+    return worst
+
+
+def test_a_param_group_added_after_the_first_step_trains_like_plain_torch(ranks2):
+    assert ranks2.run(unfreeze_job)[0] < 1e-5
+
+
+def stale_state_job(rank, world, only_1d=False):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
     tokens, targets = _batch(0, world)
     _losses(model(tokens), targets)[0].backward()
     opt.step()  # state for the full parameters
+    if only_1d:  # e.g. a checkpoint that kept the state of biases and norms only
+        for param in model.parameters():
+            if param.dim() > 1:
+                del opt.state[param]
     rt = paramfsm.shard(model)
     opt.zero_grad()
     _losses(model(rank_slice(tokens, rank, world)), rank_slice(targets, rank, world))[0].backward()
@@ -162,6 +201,12 @@ def stale_state_job(rank, world):
 def test_optimizer_with_state_for_full_parameters_raises(ranks2):
     message = ranks2.run(stale_state_job)[0]
     assert "'pos'" in message and "create the optimizer after paramfsm.shard" in message
+
+
+def test_stale_state_of_biases_and_norms_alone_raises_the_same_advice(ranks2):
+    message = ranks2.run(stale_state_job, True)[0]
+    assert re.search(r"full parameter '[\w.]*(bias|norm[\w.]*weight)' \(shape \(\d+,\)\)", message), message
+    assert "create the optimizer after paramfsm.shard" in message
 
 
 def clip_job(rank, world):

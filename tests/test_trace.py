@@ -12,7 +12,7 @@ from scenario_traces import UNITS, scenario_trace
 
 from paramfsm.core.fsm import default_table
 from paramfsm.core.spec import EFFECTS, State
-from paramfsm.core.trace import Trace, TraceRecord
+from paramfsm.core.trace import SNAPSHOT, Trace, TraceRecord
 from paramfsm.core.replay import final_states, replay
 from paramfsm.core.trace_report import diff, summarize
 
@@ -300,3 +300,59 @@ def test_perfetto_span_has_a_visible_minimum_duration(tmp_path):
                       _rec(1, 7_000, 0, "w", "release", "AVAILABLE", "NOT_AVAILABLE")])
     events = json.loads(trace.to_perfetto(tmp_path / "t.json").read_text(encoding="utf-8"))["traceEvents"]
     assert [e["dur"] for e in events if e["ph"] == "X"] == [0.001]
+
+
+def test_a_table_without_a_digest_replays_records_of_any_spec():
+    """A table that names no spec digest (one built by hand, say) checks transitions only."""
+    from types import SimpleNamespace
+
+    from paramfsm.core.replay import replay
+
+    table = default_table()
+    bare = SimpleNamespace(spec=table.spec, events=table.events, outcome=table.outcome)
+    records = [attrs.evolve(r, spec="0123456789ab") for r in scenario_trace().records]
+    assert replay(records, bare) is None
+    assert "recorded under spec 0123456789ab" in str(replay(records, table))
+
+
+def test_a_ring_window_opens_with_snapshots_stamped_like_its_first_record():
+    """The snapshot records that open a ring's window carry the first record's seq, time, step and graph
+    task, no graph flags, and the rank's coordinates; a window emptied by ``clear`` opens at the next seq."""
+    from paramfsm.core.fsm import Lifetime, StepContext, step
+    from paramfsm.core.replay import replay
+
+    table = default_table()
+    trace = Trace(0, limit=2, digest=table.digest, coord=(1, 0))
+    a, b = Lifetime("a", "u", 64), Lifetime("b", "v", 64)
+    trace.lifetimes = (a, b)
+    ctx = StepContext(0, trace)
+    for i, (rec, event) in enumerate(((b, "fetch"), (b, "arrive"), (a, "fetch"), (a, "arrive"), (a, "release"))):
+        ctx.step, ctx.graph_task = 10 + i, 20 + 2 * i
+        step(table, rec, event, ctx)
+    records = trace.records
+    first = records[2]
+    assert [(r.param, r.dst, r.holds) for r in records[:2]] == [("a", "INFLIGHT", 1), ("b", "AVAILABLE", 1)]
+    for snap in records[:2]:
+        assert snap.event == SNAPSHOT and snap.src == snap.dst and snap.coord == (1, 0)
+        assert (snap.seq, snap.t_ns, snap.step, snap.graph_task) == (first.seq, first.t_ns, first.step, first.graph_task)
+        assert (snap.seq, snap.step, snap.graph_task) == (3, 13, 26) and not (snap.keep_graph or snap.retained)
+    assert records[3].t_ns != first.t_ns and replay(records, table) is None
+    trace.clear()
+    assert [(r.param, r.seq, r.t_ns, r.step, r.graph_task) for r in trace.records] == [("b", 5, 0, 0, -1)]
+
+
+def test_a_ring_that_dropped_its_first_record_opens_with_a_snapshot():
+    from paramfsm.core.fsm import Lifetime, StepContext, step
+    from paramfsm.core.replay import replay
+
+    table = default_table()
+    trace = Trace(0, limit=2, digest=table.digest)
+    a = Lifetime("a", "u", 64)
+    trace.lifetimes = (a,)
+    ctx = StepContext(0, trace)
+    for event in ("fetch", "arrive", "release"):
+        step(table, a, event, ctx)
+    records = trace.records
+    assert [(r.event, r.seq, r.dst) for r in records] == [(SNAPSHOT, 1, "INFLIGHT"), ("arrive", 1, "AVAILABLE"),
+                                                          ("release", 2, "NOT_AVAILABLE")]
+    assert replay(records, table) is None

@@ -26,10 +26,14 @@ def write(path, records) -> str:
     return str(path)
 
 
-def test_an_empty_trace_fails_the_check(tmp_path, capsys):
+@pytest.mark.parametrize("command", [["check"], ["summary"], ["export", "--perfetto", "out.json"]])
+def test_an_empty_trace_is_bad_input_to_check_summary_and_export(tmp_path, capsys, command):
+    """An empty trace shows nothing: every command that reads one trace says so and exits 1 alike."""
     (tmp_path / "empty.jsonl").write_text("", encoding="utf-8")
-    status, _, err = run(capsys, "trace", "check", str(tmp_path / "empty.jsonl"))
-    assert status == 1 and "no records" in err and err.count("\n") == 1, err
+    status, out, err = run(capsys, "trace", command[0], str(tmp_path / "empty.jsonl"),
+                           *[str(tmp_path / a) if a.endswith(".json") else a for a in command[1:]])
+    assert status == 1 and "no records" in err and err.count("\n") == 1 and not out, (out, err)
+    assert not (tmp_path / "out.json").exists()
 
 
 def test_a_trace_ending_gathered_needs_allow_open(tmp_path, capsys):
@@ -45,7 +49,7 @@ def test_a_trace_made_under_another_spec_says_so(tmp_path, capsys):
     records = [attrs.evolve(r, spec="0123456789ab") for r in scenario_trace().records]
     status, _, err = run(capsys, "trace", "check", write(tmp_path / "other.jsonl", records))
     assert status == 1 and "recorded under spec 0123456789ab" in err, err
-    assert default_table().digest in err, err
+    assert default_table().digest in err and "illegal record 0 (seq 0," in err, err
 
 
 @pytest.mark.parametrize("command", ["summary", "export"])
@@ -131,3 +135,78 @@ def test_mesh_coordinates_survive_every_way_of_keeping_a_trace(tmp_path):
     assert all(r.coord == (1, 1) for r in runs["full"])
     plain = scenario_trace().records[0]
     assert "coord" not in plain.to_json() and plain.coord == ()
+
+
+def test_a_snapshot_spliced_into_a_parameters_records_fails_the_check(tmp_path, capsys):
+    """A snapshot only opens a parameter's records (a flight-recorder window). Spliced in after a
+    fetch that nobody released, it would hide the holder: the check must name it."""
+    table = default_table()
+    trace = Trace(0, digest=table.digest)
+    ctx = StepContext(0, trace)
+    a = Lifetime("a", "u", 64)
+    for event in ("fetch", "arrive", "release", "fetch", "arrive"):
+        step(table, a, event, ctx)
+    records = trace.records
+    snapshot = attrs.evolve(records[-1], seq=records[-1].seq + 1, event=SNAPSHOT, src="NOT_AVAILABLE",
+                            dst="NOT_AVAILABLE", effects=(), holds=0)
+    path = write(tmp_path / "spliced.jsonl", records + [snapshot])
+    for extra in ((), ("--allow-open",)):
+        status, _, err = run(capsys, "trace", "check", path, *extra)
+        assert status == 1 and "record 5" in err, err
+        assert "a snapshot record must open the parameter's records and name one state" in err, err
+    status, _, err = run(capsys, "trace", "summary", path)
+    assert status == 3 and "snapshot record must open" in err, err
+
+
+def test_a_ring_dump_keeps_a_leak_whose_records_scrolled_out(tmp_path, capsys):
+    """A parameter fetched and never released, then thousands of other transitions: the ring no longer
+    holds its records, but its dump still shows it gathered, so check and summary name the leak."""
+    table = default_table()
+    trace = Trace(0, limit=16, digest=table.digest)
+    leaked, busy = Lifetime("leaked", "head", 64), Lifetime("busy", "body", 64)
+    trace.lifetimes = (leaked, busy)
+    ctx = StepContext(0, trace)
+    for event in ("fetch", "arrive"):
+        step(table, leaked, event, ctx)
+    for i in range(40):
+        ctx.step = i
+        for event in ("fetch", "arrive", "release"):
+            step(table, busy, event, ctx)
+    path = trace.dump(tmp_path / "ring.jsonl")
+    assert all(r.event == SNAPSHOT for r in Trace.load(path).records if r.param == "leaked")
+    status, _, err = run(capsys, "trace", "check", str(path))
+    assert status == 1 and "rank 0 'leaked' ends AVAILABLE" in err, err
+    status, out, _ = run(capsys, "trace", "summary", str(path))
+    assert status == 0 and "leaks: 1" in out and "'leaked' (unit 'head') ends AVAILABLE" in out, out
+
+
+def _deferred_window():
+    """A ring window that opens with 'a' DEFERRED_RELEASE (no holders) and 'b' resting, then goes on."""
+    table = default_table()
+    trace = Trace(0, limit=6, digest=table.digest)
+    a, b = Lifetime("a", "u", 64), Lifetime("b", "v", 64)
+    trace.lifetimes = (a, b)
+    ctx = StepContext(0, trace)
+    for event in ("fetch", "arrive"):
+        step(table, a, event, ctx)
+    step(table, a, "release", ctx, keep_graph=True)  # a retained backward: 'a' waits deferred
+    for _ in range(3):
+        for event in ("fetch", "arrive", "release"):
+            step(table, b, event, ctx)
+    return trace.records
+
+
+def test_snapshots_open_a_window_and_nothing_else(tmp_path, capsys):
+    """A deferred parameter opens the window with no holders and replays; a snapshot naming two states, or
+    an illegal record after the snapshots, is rejected."""
+    records = _deferred_window()
+    opening = [r for r in records if r.event == SNAPSHOT]
+    assert [(r.param, r.dst, r.holds) for r in opening] == [("a", "DEFERRED_RELEASE", 0)]
+    status, out, _ = run(capsys, "trace", "check", write(tmp_path / "window.jsonl", records), "--allow-open")
+    assert status == 0 and "1 parameter(s) end gathered" in out, out
+    two_states = [attrs.evolve(records[0], src="AVAILABLE")] + records[1:]
+    status, _, err = run(capsys, "trace", "check", write(tmp_path / "two.jsonl", two_states), "--allow-open")
+    assert status == 1 and "record 0" in err and "name one state" in err, err
+    illegal = records[:-1] + [attrs.evolve(records[-1], src="INFLIGHT")]
+    status, _, err = run(capsys, "trace", "check", write(tmp_path / "late.jsonl", illegal), "--allow-open")
+    assert status == 1 and f"record {len(records) - 1}" in err and "left the parameter in" in err, err

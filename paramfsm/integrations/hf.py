@@ -176,10 +176,27 @@ class ShardedTrainer(transformers.Trainer):
 
     # ------------------------------------------------------------------ saving
     def _save(self, output_dir=None, state_dict=None) -> None:
-        """Every rank gathers; rank 0 (each node's first rank with ``save_on_each_node``) writes."""
+        """Every rank gathers; rank 0 (each node's first rank with ``save_on_each_node``) writes.
+
+        [Note: save_on_each_node writes on every node]
+        ``save_pretrained`` writes the weights on global rank 0 alone whenever
+        a process group exists, whatever ``is_main_process`` says, so with
+        ``save_on_each_node`` the first rank of every other node would gather
+        the full tensors and write a folder without them. Those ranks are the
+        Trainer's own writers (``args.should_save``), so for this save the
+        model is told to write where the Trainer asks it to.
+        """
         if state_dict is None:
             state_dict = self.runtime.full_state_dict(rank0_only=not self.args.save_on_each_node)
-        super()._save(output_dir, state_dict=state_dict)
+        model = self.runtime.model
+        local_writer = self.args.should_save and hasattr(model, "should_save_on_this_rank")
+        if local_writer:
+            model.should_save_on_this_rank = _writes_if_main
+        try:
+            super()._save(output_dir, state_dict=state_dict)
+        finally:
+            if local_writer:
+                del model.should_save_on_this_rank
 
     def _save_optimizer_and_scheduler(self, output_dir) -> None:
         checkpoint.save(self.runtime, os.path.join(output_dir, SHARDS_DIR), optimizer=self._torch_optimizer())
@@ -211,6 +228,12 @@ class ShardedTrainer(transformers.Trainer):
     def _torch_optimizer(self):
         """The torch optimizer inside Accelerate's wrapper."""
         return getattr(self.optimizer, "optimizer", self.optimizer)
+
+
+def _writes_if_main(is_main_process: bool) -> bool:
+    """``save_pretrained``'s choice of writer, as the Trainer makes it (see [Note: save_on_each_node writes on
+    every node])."""
+    return is_main_process
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -8,13 +8,18 @@ whether verify killed it, how many programs it needed (the canonical patterns
 run first, see :data:`paramfsm.verify.programs.CANONICAL`), the seconds to the
 first failing program, and which check caught it. The programs a seed draws
 are the same with and without a fault until the first failure, so a kill
-within the baseline's budget is the fault's doing. The exit status is 1 when
-the baseline fails or a fault survives.
+within the baseline's budget is the fault's doing. A fault in what
+``paramfsm trace check`` reads (one with a ``trace_scenario``) is killed
+through ``trace check`` instead: its scenario's trace, made and checked with
+the fault active, must still be rejected, as it is without the fault. The
+exit status is 1 when the baseline fails or a fault survives.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import os
 import sys
@@ -23,7 +28,10 @@ import time
 
 import attrs
 
+from paramfsm import cli
+from paramfsm.core.trace import Trace
 from paramfsm.launch import RankPool
+from paramfsm.verify import faults
 from paramfsm.verify.faults import CATALOGUE, Fault
 from paramfsm.verify.engine import Finding, verify
 
@@ -57,9 +65,16 @@ def run_catalogue(*, subject: str = SUBJECT, examples: int = 25, seed: int = 0, 
             finding = baseline.failure
             return (f"the unmutated runtime fails ({finding.kind} at op {finding.op}: "
                     f"{finding.message.splitlines()[0][:300]})\n{finding.reproduction}"), []
+        unsound = [fault.name for fault in faults if fault.trace_scenario is not None and trace_check(fault, None) != 1]
+        if unsound:
+            return f"the unmutated trace check accepts the bad traces of {', '.join(unsound)}", []
         rows = []
         for fault in faults:
             start = time.perf_counter()
+            if fault.trace_scenario is not None:
+                killed = trace_check(fault, fault.name) != 1  # the bad trace got through
+                rows.append(Row(fault, killed, 1, time.perf_counter() - start, "trace check" if killed else ""))
+                continue
             report = verify(subject, world_size=world_size, examples=examples, seed=seed, pool=pool,
                             fault=fault.name, shrink=False, canonical_first=canonical_first)
             finding = report.failure
@@ -71,6 +86,15 @@ def run_catalogue(*, subject: str = SUBJECT, examples: int = 25, seed: int = 0, 
     finally:
         if own_pool:
             pool.close()
+
+
+def trace_check(fault: Fault, active: str | None) -> int:
+    """The exit status of ``paramfsm trace check`` on ``fault``'s scenario trace, made and checked with the
+    fault ``active`` (None: the unmutated code). A sound check rejects every scenario (status 1)."""
+    with faults.activate(active), tempfile.TemporaryDirectory(prefix="paramfsm-mutant-trace-") as folder:
+        path = Trace(0, fault.trace_scenario()).dump(os.path.join(folder, f"{fault.name}.jsonl"))
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return cli.main(["trace", "check", str(path)])
 
 
 def format_table(rows: list[Row]) -> str:

@@ -43,6 +43,10 @@ from paramfsm.verify.subject import describe, global_batch, split
 _OK, _FAILED, _REJECTED = 0, 1, 2  # what a rank reports for an op; the ranks agree on the largest
 
 
+#: Forward modes whose graph a retained backward keeps whole (no checkpointing recomputes its units).
+PLAIN_MODES = ("train", "eval")
+
+
 class Failed(Exception):
     """A check failed (or the op raised) at op ``op`` (None: setting up or at the end); carries the check kind."""
 
@@ -88,6 +92,7 @@ class Checker:
         self.alive: set[int] = set()  # outputs the program still references (their graphs are alive)
         self.retained: set[int] = set()  # alive outputs whose graph a backward retained and none freed
         self.owner: dict[int, int] = {}  # loss -> output
+        self.modes: dict[int, str] = {}  # output -> the mode of the forward that made it
         self.released = False  # the op must leave nothing deferred
         self.fresh = True  # no optimizer step since the last forward: gathered data must be current
         self.marks: list[int] = []  # trace length before each op
@@ -165,6 +170,7 @@ class Checker:
             self.fresh = True
             if op.out >= 0:
                 self.alive.add(op.out)
+                self.modes[op.out] = op.mode
         elif isinstance(op, Loss):
             self.owner[op.loss] = op.out
         elif isinstance(op, (Backward, Penalty)):
@@ -195,6 +201,8 @@ class Checker:
         released_by = ("rt.flush()" if isinstance(op, Flush) else
                        "a backward without retain_graph and no retained graph alive" if self.released else "")
         problems = checks.at_rest(rt, bool(self.alive), self.config.retain, released_by)
+        if isinstance(op, (Backward, Penalty)) and op.retain and self.modes.get(self.owner[op.loss]) in PLAIN_MODES:
+            problems += checks.retained_window(rt, type(op).__name__, self.config)
         if problems:
             raise Failed("at rest", problems)
         problems = checks.matches_reference(rt, self.mirror.params, self.mirror.grads(), self.rank, self.world,

@@ -113,6 +113,18 @@ def at_rest(rt, graph_alive: bool, retain: str, released_by: str = "") -> list[s
     return problems
 
 
+def retained_window(rt, op_kind: str, config) -> list[str]:
+    """After a backward that retained a plain forward's graph, under unbounded ``retain="defer"``, the units
+    it used wait DEFERRED_RELEASE for the next backward over that graph: some parameter must be deferred."""
+    if config.retain != "defer" or config.max_deferred_bytes is not None:
+        return []
+    recs = records(rt)
+    if not any(rec.requires_grad for rec in recs) or any(rec.state is State.DEFERRED_RELEASE for rec in recs):
+        return []
+    return [f"a {op_kind} op with retain_graph=True left nothing DEFERRED_RELEASE under retain=\"defer\": "
+            "the next backward over the retained graph gathers every unit again"]
+
+
 def shard_slice(full: torch.Tensor | None, rec, rank: int, world: int) -> torch.Tensor | None:
     """This rank's slice of the flattened, zero-padded full tensor (what paramfsm's shard should hold)."""
     if full is None:

@@ -7,7 +7,9 @@ parameter satisfies the spec's invariants for its state, that nothing stays
 gathered, that communication counts are sane and that the trace replays
 through the spec. A failure is shrunk and printed as a runnable script
 (stdout) that runs the same checks and exits 1 while the bug is present.
-A program plain torch itself cannot run on the model is rejected, not
+``--examples N`` draws N programs after the canonical patterns, which always
+run first (the patterns behind the catalogued bugs), so N + len(CANONICAL)
+programs run in all. A program plain torch itself cannot run on the model is rejected, not
 reported; the summary counts the rejections by reason.
 
 Exit status: 0 every program passed; 1 a lifetime bug was found; 2 a usage
@@ -43,6 +45,11 @@ HINTS = {"Penalty op": "Subject(create_graph=False) draws no gradient penalties"
 
 def add_parser(subparsers) -> None:
     """Add the ``verify`` command to the ``paramfsm`` command line."""
+    try:
+        from paramfsm.verify.programs import CANONICAL
+        canonical = len(CANONICAL)
+    except ImportError:  # no hypothesis: the command says so when it runs
+        canonical = "the"
     parser = subparsers.add_parser(
         "verify", help="check generated training loops on local ranks against plain torch",
         description=" ".join(__doc__.split("\n\n")[1:3]))
@@ -50,7 +57,9 @@ def add_parser(subparsers) -> None:
                         help="callable returning (model, make_batch, loss_fn) or a paramfsm.verify.Subject")
     parser.add_argument("--world-size", type=int, default=2, help="local gloo ranks (default 2)")
     parser.add_argument("--examples", type=int, default=None,
-                        help=f"programs to try (default ${{PARAMFSM_VERIFY_EXAMPLES}} or {DEFAULT_EXAMPLES})")
+                        help="programs to draw (default ${PARAMFSM_VERIFY_EXAMPLES} or "
+                             f"{DEFAULT_EXAMPLES}), run after {canonical} canonical training-loop patterns, "
+                             "which always run first")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model, the data and the search")
     parser.add_argument("--max-ops", type=int, default=16, help="upper bound on drawn steps per program")
     parser.add_argument("--per-rank", type=int, default=2, help="batch size per rank")

@@ -66,14 +66,26 @@ class _Reentrant(nn.Module):
     and paramfsm's unit hooks, run in the forward and again in the
     recomputation inside backward, as with Hugging Face's gradient
     checkpointing or torch's ``checkpoint_wrapper``.
+
+    Keyword arguments (Hugging Face passes ``attention_mask``,
+    ``encoder_attention_mask``, ``use_cache``, ... to its blocks) are passed
+    on: reentrant checkpointing takes positional inputs only, so their values
+    ride after the positional ones and the block gets them back by name. A
+    tensor among them that requires grad is then an input of the checkpoint
+    like any other and gets its gradient.
     """
 
     def __init__(self, block: nn.Module):
         super().__init__()
         object.__setattr__(self, "block", block)  # not a submodule: the model's names stay unchanged
 
-    def forward(self, *args):
-        return checkpoint(self.block, *args, use_reentrant=True)
+    def forward(self, *args, **kwargs):
+        names, positional = tuple(kwargs), len(args)
+
+        def run(*inputs):
+            return self.block(*inputs[:positional], **dict(zip(names, inputs[positional:])))
+
+        return checkpoint(run, *args, *kwargs.values(), use_reentrant=True)
 
 
 @contextlib.contextmanager
@@ -83,9 +95,18 @@ def reentrant_blocks(model: nn.Module, names):
     Each block is swapped for a wrapper in its parent for the duration of the
     ``with`` (one forward) and put back afterwards; the recomputation in a
     later backward still runs the block (the autograd graph keeps it).
+
+    A Hugging Face model whose config turns on its key/value cache
+    (``use_cache``) runs without it inside the ``with``, as under its own
+    gradient checkpointing: the recomputation would append the block's keys
+    and values to the cache a second time and attend over both.
     """
     swapped = []
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", None) is True
     try:
+        if cached:
+            config.use_cache = False
         for name in names:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
@@ -96,16 +117,19 @@ def reentrant_blocks(model: nn.Module, names):
     finally:
         for parent, child, block in reversed(swapped):
             parent._modules[child] = block
+        if cached:
+            config.use_cache = True
 
 
 def perturbed(state_dict: dict) -> dict:
-    """A state dict whose floating-point values all differ from ``state_dict``'s (aliases stay aliases)."""
-    out, done = {}, {}
-    for key, value in state_dict.items():
-        if id(value) not in done:
-            done[id(value)] = value * 0.75 + 0.125 if value.is_floating_point() else value
-        out[key] = done[id(value)]
-    return out
+    """A state dict whose floating-point values all differ from ``state_dict``'s.
+
+    Every key gets a tensor of its own: the keys of a tied parameter hold
+    equal values in distinct tensors, as in a state dict copied or converted
+    key by key (``{k: v.to(dtype)}``), which a load must accept.
+    """
+    return {key: value * 0.75 + 0.125 if value.is_floating_point() else value.clone()
+            for key, value in state_dict.items()}
 
 
 def force_overflow(rt, name: str, index: int) -> None:

@@ -243,7 +243,8 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
     (Config(), (("iteration", 0, 0, False), ("forward", 4, 1, False), ("forward", 1, 2, False),
                 ("backward", 0, 3, True), ("step", 0, 0, False), ("gathered", 0, 1, True))),
     (Config(bucket_bytes=1, prefetch=2), (("accumulate", 0, 2, False), ("forward", 2, 0, False),
-                                          ("iteration", 1, 1, True), ("penalty", 0, 0, False))),
+                                          ("iteration", 1, 1, True), ("penalty", 0, 0, True),
+                                          ("penalty", 0, 0, False))),
     # fp16 and the scaler: two scaled backward passes over a retained graph, unscale, a clip whose max_norm is
     # above the total norm, a step; then a forced overflow in the last rank's slice of a gradient and a step
     # every rank must skip.

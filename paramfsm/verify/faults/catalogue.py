@@ -2,7 +2,9 @@
 
 Every entry re-creates, inside paramfsm, a bug that shipped in a ZeRO-3 or
 FSDP implementation, or in the loss scaling, clipping or sharded
-checkpointing around one (the ``source`` says where it was reported). A
+checkpointing around one (the ``source`` says where it was reported), or a
+bug planted in paramfsm's own newest code that its test suite missed
+(``paramfsm #28``; the ``source`` names the closest bug reported elsewhere). A
 fault is a context manager that monkeypatches one scheduler, executor, hooks
 or graph-task function (or, in :mod:`paramfsm.verify.faults.training`, the
 scaler, clipping or checkpoint function) for the duration of the ``with``
@@ -16,8 +18,9 @@ Faults act in the process that activates them. Under a
 binds at construction (its effect table) only take effect on runtimes
 created while the fault is active.
 
-``paramfsm verify`` must kill every entry: ``python -m paramfsm.testing.mutants``
-prints the table and ``tests/test_mutants.py`` asserts it.
+``paramfsm verify`` must kill every entry (``paramfsm trace check`` an entry
+with a ``trace_scenario``): ``python -m paramfsm.testing.mutants`` prints the
+table and ``tests/test_mutants.py`` asserts it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ from paramfsm.verify.faults.training import (
     checkpoint_offset_unpadded, clip_without_clamp, found_inf_not_agreed, scale_not_backpropagated,
     unscaled_once_per_backward,
 )
+from paramfsm.verify.faults.user_paths import (
+    retain_lost_in_higher_order, ring_window_forgets_idle, scrolled_leak_scenario, snapshot_accepted_anywhere,
+    spliced_snapshot_scenario, tied_aliases_compared_by_identity,
+)
 
 
 @attrs.frozen(slots=True)
@@ -50,6 +57,9 @@ class Fault:
     source: str
     kind: str  # "correctness", "memory" or "performance": what verify must notice
     inject: Callable[[], contextlib.AbstractContextManager]
+    #: For a bug in what ``paramfsm trace check`` reads: a trace made with the bug active that the check must
+    #: reject; ``make mutants`` kills such a fault through ``trace check`` instead of verify.
+    trace_scenario: Callable[[], list] | None = None
 
 
 def _preprocess_once_per_process():
@@ -289,6 +299,28 @@ CATALOGUE: tuple[Fault, ...] = (
           "NVIDIA/Megatron-LM PR #5898 (a terminal shard extending past the unpadded size into bucket padding), "
           "NVIDIA/Megatron-LM PR #5077 (offsets that still include padding)",
           "correctness", checkpoint_offset_unpadded),
+    Fault("retain_lost_in_higher_order",
+          "a backward with retain_graph=True through recorded gradients (a gradient penalty) releases the units "
+          "it fetches instead of deferring them, so the next backward over the graph gathers them again",
+          "DeepSpeed PR #8045 ('Propagate retain_graph through the ZeRO backward path'), here on the "
+          "create_graph path; paramfsm #28",
+          "performance", retain_lost_in_higher_order),
+    Fault("tied_aliases_compared_by_identity",
+          "loading a full state dict refuses tied keys that hold equal values in distinct tensors (a state "
+          "dict copied or converted key by key) as 'different values'",
+          "fairscale #815 and pytorch/pytorch PR #86524 (shared parameters on loading a state dict); "
+          "paramfsm #28",
+          "correctness", tied_aliases_compared_by_identity),
+    Fault("snapshot_accepted_anywhere",
+          "trace replay accepts a snapshot record after a parameter's records, so a spliced trace hides a "
+          "holder nobody released",
+          "paramfsm #28 (trace check accepted a snapshot in the middle of a parameter's records)",
+          "memory", snapshot_accepted_anywhere, spliced_snapshot_scenario),
+    Fault("ring_window_forgets_idle",
+          "a flight-recorder window snapshots only parameters with records in it, so a leak whose last record "
+          "scrolled out of the ring is missing from the dump",
+          "NVIDIA/nccl PR #2304 (a ring buffer that loses records silently); paramfsm #28",
+          "memory", ring_window_forgets_idle, scrolled_leak_scenario),
 )
 
 FAULTS: dict[str, Fault] = {fault.name: fault for fault in CATALOGUE}
