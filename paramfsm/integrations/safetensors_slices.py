@@ -10,11 +10,21 @@ runs. It never holds a whole checkpoint, nor a whole parameter:
    value is written, so the model keeps the values it had (and a model
    built on the meta device stays guarded, :mod:`paramfsm.meta`).
 2. **Then slices, one tensor at a time, one file at a time.** A parameter's
-   shard is its slice ``[rank * s, (rank + 1) * s)`` of the flattened tensor.
-   safetensors slices by index along dimensions, so the rows of the first
-   dimension longer than one that cover that range are read (at most one
-   partial row more at each end) and the range is cut from them, straight
-   into the shard. Buffers (not sharded) are read whole.
+   shard is its slice ``[rank * s, (rank + 1) * s)`` of the flattened tensor,
+   and a safetensors tensor is stored flat, row-major and little-endian, so
+   that slice is one contiguous byte range of the file: it is read with
+   plain reads, straight into the shard when dtypes agree on the CPU (else
+   through one buffer the size of the slice). Buffers (not sharded) are read
+   whole.
+
+[Note: reads, not a memory map]
+``safetensors.safe_open(...).get_slice`` reads through a memory map of the
+file, whose pages stay resident (and count in the process's memory) while
+the file is open: loading a one-file checkpoint so held this rank's slices
+twice, once in the map and once in the shards. Positioned reads go through
+the page cache, which the process does not own, so a rank holds its shards
+and nothing else. The header is the format's own: 8 bytes of little-endian
+length, then a JSON table of name -> dtype, shape and data offsets.
 
 A tied parameter is loaded from the first of its keys the files hold (a
 ``save_pretrained`` file keeps one). Tensors of the files that the model does
@@ -24,9 +34,12 @@ and logged.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import struct
+from typing import NamedTuple
 
 import torch
 
@@ -37,15 +50,38 @@ from paramfsm.errors import ParamFSMError
 logger = logging.getLogger(__name__)
 
 
-def headers(files) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Tensor name -> (file, shape), from the files' headers only."""
-    from safetensors import safe_open
+#: safetensors dtype names -> torch dtypes.
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
-    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+
+class Entry(NamedTuple):
+    """Where one tensor of a safetensors file is: file, shape, dtype and the file offset of its first byte."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+
+
+def headers(files) -> dict[str, Entry]:
+    """Tensor name -> :class:`Entry`, from the files' headers only."""
+    found: dict[str, Entry] = {}
     for path in files:
-        with safe_open(path, framework="pt") as handle:
-            for key in handle.keys():
-                found[key] = (path, tuple(handle.get_slice(key).get_shape()))
+        with open(path, "rb") as handle:
+            size = struct.unpack("<Q", handle.read(8))[0]
+            try:
+                table = json.loads(handle.read(size))
+            except ValueError as exc:
+                raise ParamFSMError(f"'{path}' is not a safetensors file (its header does not parse: {exc})") from None
+        for key, info in table.items():
+            if key == "__metadata__":
+                continue
+            if info["dtype"] not in DTYPES:
+                raise ParamFSMError(f"'{path}': tensor '{key}' has dtype {info['dtype']}, which paramfsm cannot read")
+            found[key] = Entry(path, tuple(info["shape"]), DTYPES[info["dtype"]], 8 + size + info["data_offsets"][0])
     return found
 
 
@@ -62,11 +98,11 @@ def plan(rt, found: dict, where: str) -> list[tuple[str, str, object, torch.Tens
         key = next((k for k in keys if k in found), None)
         if key is None:
             missing.append(" / ".join(keys))
-        elif found[key][1] != shape:
-            wrong.append(f"'{key}' is {list(found[key][1])} in {os.path.basename(found[key][0])}, "
+        elif found[key].shape != shape:
+            wrong.append(f"'{key}' is {list(found[key].shape)} in {os.path.basename(found[key].path)}, "
                          f"the model's {'parameter' if rec is not None else 'buffer'} is {list(shape)}")
         else:
-            steps.append((found[key][0], key, rec, None if rec is not None else own[key]))
+            steps.append((found[key], key, rec, None if rec is not None else own[key]))
     if missing or wrong:
         raise ParamFSMError(
             f"cannot load '{where}' into the sharded {type(rt.model).__name__} (rank {rt.rank}); nothing was "
@@ -82,8 +118,6 @@ def plan(rt, found: dict, where: str) -> list[tuple[str, str, object, torch.Tens
 
 def load_files(rt, files, where: str) -> None:
     """Load safetensors ``files`` into ``rt``'s model, this rank's slices only (see the module docstring)."""
-    from safetensors import safe_open
-
     rt.flush()
     busy = [rec.name for rec in rt._by_id.values() if rec.state is not State.NOT_AVAILABLE]
     if busy:
@@ -92,29 +126,38 @@ def load_files(rt, files, where: str) -> None:
     steps = plan(rt, headers(files), where)
     by_file: dict[str, list] = {}
     for step in steps:
-        by_file.setdefault(step[0], []).append(step)
+        by_file.setdefault(step[0].path, []).append(step)
     with meta.setting_values(rt, f"loading '{where}'"), torch.no_grad():
         for path, entries in by_file.items():
-            with safe_open(path, framework="pt") as handle:  # one file mapped at a time
-                for _, key, rec, buffer in entries:
+            with open(path, "rb", buffering=0) as handle:
+                for entry, _, rec, buffer in entries:
                     if rec is None:
-                        buffer.copy_(handle.get_tensor(key))
+                        buffer.copy_(read(handle, entry, 0, math.prod(entry.shape)).view(entry.shape))
                         continue
                     lo = min(rt.rank * rec.shard_numel, rec.numel)
                     hi = min(lo + rec.shard_numel, rec.numel)
-                    rec.shard[hi - lo:].zero_()
-                    if hi > lo:
-                        rec.shard[: hi - lo].copy_(read_flat(handle, key, tuple(rec.shape), lo, hi))
+                    shard = rec.shard.detach()
+                    shard[hi - lo:].zero_()
+                    read(handle, entry, lo, hi, into=shard[: hi - lo])
 
 
-def read_flat(handle, key: str, shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of the flattened tensor ``key``, reading only the rows that hold them."""
-    if not shape:
-        return handle.get_tensor(key).reshape(-1)[lo:hi]
-    dim = next((d for d, size in enumerate(shape) if size > 1), len(shape) - 1)
-    inner = math.prod(shape[dim + 1:])
-    first, last = lo // inner, -(-hi // inner)
-    index = (slice(0, 1),) * dim + (slice(first, last),)
-    rows = handle.get_slice(key)[index].reshape(-1)
-    start = lo - first * inner
-    return rows[start: start + hi - lo]
+def read(handle, entry: Entry, lo: int, hi: int, into: torch.Tensor | None = None) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the flattened tensor ``entry``: one contiguous byte range of the file.
+
+    Read straight into ``into`` when it is a CPU tensor of the file's dtype, else
+    into a buffer of the file's dtype (copied into ``into`` when given).
+    """
+    direct = into is not None and into.device.type == "cpu" and into.dtype == entry.dtype and into.is_contiguous()
+    out = into if direct else torch.empty(hi - lo, dtype=entry.dtype)
+    if hi > lo:
+        view = memoryview(out.view(torch.uint8).numpy())
+        handle.seek(entry.offset + lo * out.element_size())
+        done = 0
+        while done < len(view):
+            got = handle.readinto(view[done:])
+            if not got:
+                raise ParamFSMError(f"'{entry.path}' ends inside its tensor data (truncated file?)")
+            done += got
+    if into is not None and not direct:
+        into.copy_(out)
+    return out
