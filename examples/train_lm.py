@@ -10,8 +10,11 @@ Several machines (run on every node, with its --node-rank)::
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 \\
         --rdzv-backend c10d --rdzv-endpoint node0.example:29500 examples/train_lm.py --mesh 2x8
 
-What it shows: ``paramfsm.shard`` with a choice of units, retain policy and
-mesh; AdamW over ``model.parameters()``; gradient accumulation;
+What it shows: the model built on the meta device (nothing allocated),
+``paramfsm.shard(..., device=)`` placing only this rank's shards and
+``rt.init_weights(fn)`` initialising it module by module, the same weights at
+any world size (``--eager`` builds it whole on every rank instead);
+``paramfsm.shard`` with a choice of units, retain policy and mesh; AdamW over ``model.parameters()``; gradient accumulation;
 ``rt.clip_grad_norm_``; optional bf16 compute; a sharded DCP checkpoint every
 ``--save-every`` steps and ``--resume`` from the latest; the flight recorder
 (on by default: a failure leaves ``paramfsm-trace-rank*.jsonl`` in ``--out``);
@@ -59,7 +62,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eager", action="store_true",
+                        help="build the whole model on every rank, then shard it (default: build on meta)")
     return parser.parse_args(argv)
+
+
+def initialiser(model: TinyTransformer):
+    """``fn`` for ``rt.init_weights``: each module's ``reset_parameters()``, a small normal init for the
+    tied embedding / LM head (the head comes later in ``model.apply`` order, so its write is the one
+    kept) and for the learned positions (a parameter of the model itself, visited last)."""
+    def init(module: torch.nn.Module) -> None:
+        if module is model.head:
+            torch.nn.init.normal_(module.weight, std=0.02)  # the head starts near uniform predictions
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+        if module is model:
+            torch.nn.init.normal_(model.pos, std=0.02)
+    return init
 
 
 def units_from(text: str):
@@ -112,13 +131,17 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PARAMFSM_TRACE_DIR", str(args.out))
 
-    torch.manual_seed(args.seed)
-    model = TinyTransformer(args.vocab, args.dim, args.depth, args.seq, tied=True).to(device)
-    torch.nn.init.normal_(model.embed.weight, std=0.02)  # the tied head starts near uniform predictions
+    torch.manual_seed(args.seed)  # the same seed on every rank: every rank computes the same full weights
+    with torch.device("meta" if not args.eager else device):
+        model = TinyTransformer(args.vocab, args.dim, args.depth, args.seq, tied=True)
     mesh = mesh_from(args.mesh, torch.device(device).type)
     shard_kw = {"mesh": mesh} if mesh is not None else {}
+    if not args.eager:
+        shard_kw["device"] = device  # only this rank's shards are allocated, there
     rt = paramfsm.shard(model, units=units_from(args.units), retain=args.retain,
                         param_dtype=torch.bfloat16 if args.bf16 else None, **shard_kw)
+    torch.manual_seed(args.seed)
+    rt.init_weights(initialiser(model))  # module by module; bit-identical to the same init of the whole model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     paramfsm.optim.map_optimizer(opt)  # steps the shards; mapped now so a checkpoint can load into it
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import full_state, optim
+from paramfsm import full_state, meta, optim
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
 from paramfsm.engine import hooks, partitioned
@@ -62,17 +62,18 @@ def check_arguments(model: nn.Module, group, retain: str, prefetch: int, collect
 
 
 def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-             bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh, replicate_group) -> None:
+             bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh, replicate_group,
+             device=None, device_mesh=None) -> None:
     """Partition ``model``'s parameters and wire the layers onto ``rt`` (the fields the facade reads)."""
     rt.model = model
-    device = model_device(model)
+    device, born_meta = meta.placement(model, device, device_mesh)
     rt.group, rt.rank, rt.world = resolve_group(group, device)
     # Hybrid sharding: the 2-D mesh and its replicate group; traces and dumps carry the global rank.
     rt.mesh, rt.replicate_group = mesh, replicate_group
     rt.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
     trace_rank = dist.get_rank() if mesh is not None else rt.rank
     rt.table = compile_table(load_spec(spec)) if spec is not None else default_table()
-    rt.units, by_id = build_units(model, units, rt.rank, rt.world)
+    rt.units, by_id = build_units(model, units, rt.rank, rt.world, device=device, release=True)
     records = list(by_id.values())
     rt._by_id = by_id
     rt._by_name = {name: rec for rec in records for name in rec.names}
@@ -99,6 +100,7 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
         partitioned.adopt(rec.param, rec, trace_rank)
         rt.executor.free((rec,))
     rt._handles = hooks.install(model, rt.units, records, rt.scheduler.emit)
+    meta.watch(rt, born_meta, device)
     if param_dtype is not None:
         rt._handles.append(model.register_forward_pre_hook(partial(cast_inputs, param_dtype), with_kwargs=True))
     SHARDED[model] = True
@@ -113,11 +115,3 @@ def cast_inputs(dtype, module, args, kwargs):
         return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
     return tree_map(cast, args), tree_map(cast, kwargs)
 
-
-def model_device(model: nn.Module) -> torch.device:
-    """The one device every parameter of ``model`` lives on (CPU for a model without any)."""
-    devices = {p.device for p in model.parameters()}
-    if len(devices) > 1:
-        raise ParamFSMError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
-                            "move the whole model to one device (model.to(device)) before paramfsm.shard")
-    return devices.pop() if devices else torch.device("cpu")

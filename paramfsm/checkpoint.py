@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from paramfsm import meta
 from paramfsm.core.spec import State
 from paramfsm.errors import ParamFSMError
 
@@ -91,7 +92,7 @@ def load_sharded_state_dict(rt, state_dict) -> None:
     missing = [k for k in own if k not in state_dict]
     if missing:
         raise ParamFSMError(f"sharded state dict is missing keys {missing[:5]}")
-    with torch.no_grad():
+    with meta.setting_values(rt, "rt.load_sharded_state_dict"), torch.no_grad():
         for key, target in own.items():
             src = state_dict[key]
             if isinstance(target, DTensor):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from paramfsm import meta
 from paramfsm.core.spec import State
 from paramfsm.engine import kernels, rankcheck
 from paramfsm.engine.collectives import all_gather_flat
@@ -124,7 +125,10 @@ def load_full_state_dict(rt, state_dict) -> None:
 
     A tied parameter is loaded from whichever of its keys is present (a file
     written by ``save_pretrained`` keeps only one of them); when several are,
-    they must agree.
+    they must agree. Every key and shape is checked before any value is
+    written. Only this rank's slice of each tensor is read, through a view, so
+    memory-mapped tensors (``safetensors.safe_open``, ``torch.load(mmap=True)``)
+    are not copied whole.
     """
     rt.flush()
     busy = [rec.name for rec in rt._by_id.values() if rec.state is not State.NOT_AVAILABLE]
@@ -142,16 +146,19 @@ def load_full_state_dict(rt, state_dict) -> None:
     missing = [key for key, value in own.items() if id(value) not in sources]
     if missing:
         raise ParamFSMError(f"state dict is missing keys {missing[:5]} (rank {rt.rank})")
-    with torch.no_grad():
+    for ident, (key, src) in sources.items():  # every shape first: nothing is written unless all fit
+        rec = rt._by_id.get(ident)
+        shape = tuple(rec.shape) if rec is not None else tuple(own[key].shape)
+        if tuple(src.shape) != shape:
+            raise ParamFSMError(f"'{key}': shape {tuple(src.shape)} does not match the "
+                                f"{'parameter' if rec is not None else 'buffer'}'s {shape} (rank {rt.rank})")
+    with meta.setting_values(rt, "rt.load_full_state_dict"), torch.no_grad():
         for ident, (key, src) in sources.items():
             rec = rt._by_id.get(ident)
             if rec is None:
                 own[key].copy_(src)
                 continue
-            if tuple(src.shape) != tuple(rec.shape):
-                raise ParamFSMError(f"'{key}': shape {tuple(src.shape)} does not match the parameter's "
-                                    f"{tuple(rec.shape)} (rank {rt.rank})")
             lo = min(rt.rank * rec.shard_numel, rec.numel)
             hi = min(lo + rec.shard_numel, rec.numel)
-            rec.shard.zero_()
-            rec.shard[: hi - lo].copy_(src.reshape(-1)[lo:hi])
+            rec.shard[hi - lo:].zero_()
+            rec.shard[: hi - lo].copy_(src.reshape(-1)[lo:hi])  # a view of a contiguous (memory-mapped) tensor

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from paramfsm import assembly, checkpoint, full_state, grad_norm, teardown
+from paramfsm import assembly, checkpoint, full_state, grad_norm, materialize, teardown
 from paramfsm.core.spec import State
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine.units import ParamRecord, units_within
@@ -24,7 +24,7 @@ from paramfsm.errors import ParamFSMError
 def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
           prefetch: int = 1, trace=False, spec=None, *, strict: bool = False,
           bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False,
-          collective_timeout: float | None = None, mesh=None) -> "Runtime":
+          collective_timeout: float | None = None, mesh=None, device=None) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
     ``units``: None (every module owning parameters directly), module classes,
@@ -57,12 +57,16 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     sharded along the shard dimension and replicated along the other; gradients
     are reduce-scattered within the shard group, then all-reduced across
     replicas (averaged over every rank, like plain torch on the global batch).
+    ``device``: where the shards of a model built on the meta device go (default:
+    the current CUDA device when CUDA is available, else the CPU); its values are
+    then set by :meth:`Runtime.init_weights` or a load (see :mod:`paramfsm.meta`).
+    A model off the meta device keeps its own device, and ``device`` must agree with it.
     """
     group, replicate_group, limit = assembly.check_arguments(model, group, retain, prefetch,
                                                              collective_timeout, mesh)
     return Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                    bucket_bytes, param_dtype, reduce_dtype, debug, limit,
-                   mesh if replicate_group is not None else None, replicate_group)
+                   mesh if replicate_group is not None else None, replicate_group, device, mesh)
 
 
 class Runtime:
@@ -70,10 +74,10 @@ class Runtime:
 
     def __init__(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                  bucket_bytes, param_dtype, reduce_dtype, debug=False, collective_timeout=600.0,
-                 mesh=None, replicate_group=None):
+                 mesh=None, replicate_group=None, device=None, device_mesh=None):
         assembly.assemble(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                           bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh,
-                          replicate_group)
+                          replicate_group, device, device_mesh)
 
     # ------------------------------------------------------------------ lookup
     def record(self, param_or_name):
@@ -149,6 +153,15 @@ class Runtime:
         """
         with self._reporting():
             return full_state.full_state_dict(self, rank0_only=rank0_only)
+
+    def init_weights(self, fn=None) -> None:
+        """Initialise every parameter module by module: ``reset_parameters()`` in ``model.modules()`` order,
+        or ``fn(module)`` in ``model.apply`` order; bit-identical to the same init of the unsharded model.
+
+        Every rank calls it, seeded identically. Again, or on a model not built on
+        meta, it re-initialises. See :mod:`paramfsm.materialize`.
+        """
+        materialize.init_weights(self, fn)
 
     def load_full_state_dict(self, state_dict) -> None:
         """Load a plain (full) state dict: each rank keeps its slice of every parameter (tied keys: any one)."""

@@ -234,7 +234,8 @@ def test_exception_inside_forward_or_backward(ranks2, where, retain):
 def unsupported_job(rank, world):
     messages = {}
     with torch.device("meta"):
-        meta = nn.Linear(2, 2)
+        meta = nn.Sequential(nn.Linear(2, 2))
+    meta.append(nn.Linear(2, 2))  # partly on the meta device
     for what, build in [("meta", lambda: meta),
                         ("integer", lambda: _with_int_param()),
                         ("sharded twice", lambda: _sharded_model()),
@@ -264,7 +265,7 @@ def _sharded_model():
 
 def test_unsupported_models(ranks2):
     messages = ranks2.run(unsupported_job)[0]
-    assert "'weight' is on the meta device" in messages["meta"] and "to_empty" in messages["meta"]
+    assert "'0.weight' is on the meta device but '1.weight' on cpu" in messages["meta"], messages["meta"]
     assert "'steps' has dtype torch.int64" in messages["integer"] and "buffers" in messages["integer"]
     assert "already sharded" in messages["sharded twice"] and "rt.close()" in messages["sharded twice"]
     assert "'0.weight' is already partitioned" in messages["sharded parent"], messages["sharded parent"]

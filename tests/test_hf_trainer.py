@@ -6,8 +6,9 @@ and the plain Trainer takes the whole batch. Per-step losses and gradient
 norms (clipping is active), the final parameters and the evaluation loss must
 agree; the model saved by ``save_model`` loads with ``from_pretrained`` and
 gives the sharded model's logits (only the writing rank holds the full tensors; with
-``save_on_each_node`` the first rank of every node writes a complete model); a run resumed from the step-2 checkpoint (model, every rank's
-optimizer shards, scheduler) ends where the uninterrupted run ended. With
+``save_on_each_node`` the first rank of every node writes a complete model); a run resumed from the
+step-2 checkpoint (model, every rank's optimizer shards, scheduler), into a model built on the meta
+device, ends where the uninterrupted run ended. With
 ``args.bf16`` (Accelerate's autocast) it matches a plain bf16 Trainer.
 """
 
@@ -97,8 +98,9 @@ def sharded_job(rank, world):
             report["loaded_err"] = (loaded(PROMPT).logits - report["logits"]).abs().max().item()
         report["checkpoint"] = sorted(os.listdir(os.path.join(first, "checkpoint-2")))
 
-        again = build()
-        rt_again = paramfsm.shard(again)
+        with torch.device("meta"):  # resuming needs no weights of its own: built on meta, loaded by the Trainer
+            again = build()
+        rt_again = paramfsm.shard(again, device="cpu")
         resumed = hf.ShardedTrainer(model=again, args=arguments(second, PER_RANK), train_dataset=dataset(),
                                     runtime=rt_again)
         resumed.train(resume_from_checkpoint=os.path.join(first, "checkpoint-2"))

@@ -166,30 +166,54 @@ def owner_unit(param_name: str, unit_names: Iterable[str]) -> str:
 def check_partitionable(model: nn.Module) -> None:
     """Reject models paramfsm cannot partition, with a message that says what to do."""
     for name, p in model.named_parameters():
-        if p.device.type == "meta":
-            raise ParamFSMError(
-                f"parameter '{name}' is on the meta device; materialise the model first "
-                "(e.g. model.to_empty(device=...) and initialise it) before paramfsm.shard")
         if not p.is_floating_point():
             raise ParamFSMError(
                 f"parameter '{name}' has dtype {p.dtype}; paramfsm partitions floating-point "
                 "parameters only (register integer tensors as buffers)")
 
 
-def make_shard(param: torch.Tensor, rank: int, world: int) -> tuple[nn.Parameter, int]:
-    """This rank's 1/world slice of the flattened, zero-padded parameter, as a leaf Parameter."""
+def make_shard(param: torch.Tensor, rank: int, world: int,
+               device: torch.device | None = None) -> tuple[nn.Parameter, int]:
+    """This rank's 1/world slice of the flattened, zero-padded parameter, as a leaf Parameter.
+
+    Only the slice is copied (no full-size padded temporary). A parameter on the
+    meta device has no values: its shard is allocated on ``device``, uninitialised
+    (see :mod:`paramfsm.meta` for what guards it until values are set).
+    """
     numel = param.numel()
     shard_numel = -(-numel // world)
-    flat = param.detach().reshape(-1)
-    padded = torch.zeros(shard_numel * world, dtype=param.dtype, device=param.device)
-    padded[:numel].copy_(flat)
-    shard = nn.Parameter(padded[rank * shard_numel:(rank + 1) * shard_numel].clone(),
-                         requires_grad=param.requires_grad)
-    return shard, shard_numel
+    if param.is_meta:
+        shard = torch.empty(shard_numel, dtype=param.dtype, device=device)
+        shard[max(0, min(shard_numel, numel - rank * shard_numel)):].zero_()  # the padding
+    else:
+        lo, hi = min(rank * shard_numel, numel), min((rank + 1) * shard_numel, numel)
+        shard = torch.empty(shard_numel, dtype=param.dtype, device=param.device)
+        shard[: hi - lo].copy_(param.detach().reshape(-1)[lo:hi])
+        shard[hi - lo:].zero_()
+    return nn.Parameter(shard, requires_grad=param.requires_grad), shard_numel
 
 
-def build_units(model: nn.Module, units: UnitsArg, rank: int, world: int) -> tuple[list[Unit], dict[int, ParamRecord]]:
-    """Shard every parameter and group the records into units; returns (units, records by id(param))."""
+def let_go(param: nn.Parameter, device: torch.device | None) -> None:
+    """Drop the full values of a parameter whose shard is cut, so a model is never held twice.
+
+    A meta parameter cannot take a real ``.data`` (the tensor types differ), so its
+    contents are swapped for an empty parameter on ``device``, keeping its identity.
+    """
+    if param.is_meta:
+        torch.utils.swap_tensors(param, nn.Parameter(torch.empty(0, dtype=param.dtype, device=device),
+                                                     requires_grad=param.requires_grad))
+    else:
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def build_units(model: nn.Module, units: UnitsArg, rank: int, world: int, *, device: torch.device | None = None,
+                release: bool = False) -> tuple[list[Unit], dict[int, ParamRecord]]:
+    """Shard every parameter and group the records into units; returns (units, records by id(param)).
+
+    ``release``: drop each full parameter as soon as its shard is cut
+    (:func:`let_go`), so sharding a model never holds it plus all of its shards;
+    a meta parameter is always released (its shard goes on ``device``).
+    """
     check_partitionable(model)
     unit_modules = select_unit_modules(model, units)
     records: dict[int, ParamRecord] = {}
@@ -197,8 +221,10 @@ def build_units(model: nn.Module, units: UnitsArg, rank: int, world: int) -> tup
     for name, param in model.named_parameters(remove_duplicate=False):
         rec = records.get(id(param))
         if rec is None:
-            shard, shard_numel = make_shard(param, rank, world)
+            shard, shard_numel = make_shard(param, rank, world, device)
             rec = records[id(param)] = ParamRecord(name, param, shard, shard_numel)
+            if release or param.is_meta:
+                let_go(param, device)
         elif name not in rec.names:
             rec.names = rec.names + (name,)
         owner = owner_unit(name, unit_modules)

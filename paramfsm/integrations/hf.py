@@ -25,7 +25,7 @@ import torch.distributed as dist
 import transformers
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from paramfsm import checkpoint, optim
+from paramfsm import checkpoint, meta, optim
 from paramfsm.errors import ParamFSMError
 
 logger = logging.getLogger(__name__)
@@ -66,12 +66,24 @@ def generate(rt, *args, **kwargs):
 def load_pretrained(rt, directory) -> None:
     """Load the weights of a ``save_pretrained`` directory (safetensors) into a sharded model. No collective.
 
-    Every rank reads the files and keeps its slice of each parameter; a tied
-    parameter is loaded from the one key the file keeps. The keys must be the
-    model's own state-dict keys: for a checkpoint in another layout, load it with
+    Each rank reads only its slice of each tensor, one tensor at a time
+    (:mod:`paramfsm.integrations.safetensors_slices`), from ``model.safetensors``
+    or every file of ``model.safetensors.index.json``; every key and shape is
+    checked against the headers before any value is written. A tied parameter
+    is loaded from the one key the file keeps. The keys must be the model's own
+    state-dict keys: for a checkpoint in another layout, load it with
     ``from_pretrained`` and shard the model again.
+
+    [Note: buffers a model computes itself]
+    Non-persistent buffers (rotary ``inv_freq``) are in no checkpoint; the model
+    computes them when it is built, which on the meta device computes nothing.
+    Transformers recomputes them in ``_init_weights`` (as its own ``from_pretrained``
+    does for a model built on meta), so for every module that owns such a buffer,
+    still unset, and no parameter of its own, ``model._init_weights(module)`` runs
+    here. A buffer still unset after that is named by the forward's guard
+    (:mod:`paramfsm.meta`).
     """
-    from safetensors.torch import load_file
+    from paramfsm.integrations import safetensors_slices
 
     directory = os.fspath(directory)
     single, index = os.path.join(directory, SAFE_WEIGHTS_NAME), os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME)
@@ -83,10 +95,22 @@ def load_pretrained(rt, directory) -> None:
     else:
         raise ParamFSMError(f"no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} in '{directory}' (rank "
                             f"{rt.rank}); save with model.save_pretrained(d, state_dict=rt.full_state_dict())")
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        state.update(load_file(path))
-    rt.load_full_state_dict(state)
+    safetensors_slices.load_files(rt, files, directory)
+    recompute_buffers(rt)
+
+
+def recompute_buffers(rt) -> None:
+    """Run the model's own ``_init_weights`` on parameter-free modules whose meta-built buffers are unset."""
+    init = getattr(rt.model, "_init_weights", None)
+    if init is None:
+        return
+    owners = {id(entry[1]): entry[1] for entry in rt._values.buffers
+              if not any(True for _ in entry[1].parameters(recurse=False))}
+    unset = set(meta.unset_buffers(rt._values))
+    with torch.no_grad():
+        for module in owners.values():
+            if any(entry[0] in unset for entry in rt._values.buffers if entry[1] is module):
+                init(module)
 
 
 class ShardedTrainer(transformers.Trainer):

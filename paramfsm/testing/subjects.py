@@ -44,6 +44,20 @@ def tiny_transformer_tied() -> Subject:
     return Subject(TinyTransformer(vocab=VOCAB, dim=DIM, depth=2, seq=SEQ, tied=True), token_batch, lm_loss)
 
 
+def init_tiny_transformer(module: nn.Module) -> None:
+    """``fn`` for ``rt.init_weights``: ``reset_parameters()``, and the learned positions of the model itself."""
+    if callable(getattr(module, "reset_parameters", None)):
+        module.reset_parameters()
+    if isinstance(module, TinyTransformer):
+        nn.init.normal_(module.pos, std=0.02)
+
+
+def tiny_transformer_meta() -> Subject:
+    """The tied demo model built on the meta device and initialised with ``rt.init_weights`` (``Subject(meta=True)``)."""
+    return Subject(TinyTransformer(vocab=VOCAB, dim=DIM, depth=2, seq=SEQ, tied=True), token_batch, lm_loss,
+                   meta=True, init=init_tiny_transformer)
+
+
 def regression_batch(generator: torch.Generator, n: int):
     return torch.randn(n, 5, generator=generator), torch.randn(n, 5, generator=generator)
 

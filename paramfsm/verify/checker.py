@@ -78,11 +78,13 @@ def agree(group, code: int) -> int:
 class Checker:
     """The reference and the checks of one rank, around ops run elsewhere (see the module docstring)."""
 
-    def __init__(self, subject, config: Config = Config(), *, seed: int = 0, per_rank: int = 2, group=None):
+    def __init__(self, subject, config: Config = Config(), *, seed: int = 0, per_rank: int = 2, group=None,
+                 reference=None):
         self.subject, self.config, self.seed, self.per_rank, self.group = subject, config, seed, per_rank, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.atol, self.rtol = loop_helpers.tolerances(subject, config)
-        self.mirror = Mirror(subject, self.world, config)
+        # reference: the plain model the mirror copies when it is not the subject's (Subject(meta=True))
+        self.mirror = Mirror(subject, self.world, config, reference)
         self.blocks = self.mirror.blocks  # what a reentrant forward checkpoints
         self.rt = None
         self.scaler = None

@@ -166,7 +166,7 @@ def probe(factory, seed: int = 0, per_rank: int = 2) -> Shape:
     blocks = attempt("blocks", lambda: blocks_of(subject))
     for name in blocks:
         attempt(f"block {name!r}", lambda: subject.model.get_submodule(name))
-    return Shape(modules, subject.checkpoint, tensor_output, subject.create_graph, params, blocks)
+    return Shape(modules, subject.checkpoint, tensor_output, subject.create_graph, params, blocks, subject.meta)
 
 
 class _Search:
@@ -290,7 +290,7 @@ def verify(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, p
     message = outcome.message + (f"\n{outcome.detail}" if outcome.detail else "")
     script = render(program, _factory_name(factory), per_rank=per_rank, seed=seed, fail_at=outcome.op,
                     message=f"{outcome.kind} check failed: {outcome.message}", fault=fault,
-                    path=import_root(factory), world=world_size)
+                    path=import_root(factory), world=world_size, meta=shape.meta)
     finding = Finding(program, outcome.op, outcome.kind, outcome.message, message, script)
     return Report(search.runs, seconds, finding, search.first[0], search.first[1], rejected)
 

@@ -71,8 +71,8 @@ def blocks_of(subject) -> tuple[str, ...]:
 class Mirror:
     """The plain-torch reference (see the module docstring)."""
 
-    def __init__(self, subject, world: int, config: Config = Config()):
-        self.model = copy.deepcopy(subject.model)
+    def __init__(self, subject, world: int, config: Config = Config(), reference=None):
+        self.model = copy.deepcopy(subject.model if reference is None else reference)
         self.opt = subject.optimizer(self.model.parameters())
         self.loss_fn = subject.loss_fn
         self.world, self.config = world, config

@@ -193,3 +193,4 @@ class Shape:
     allow_create_graph: bool = True
     params: tuple[tuple[str, int], ...] = ()
     blocks: tuple[str, ...] = ()
+    meta: bool = False  # Subject(meta=True): the sharded model is a meta build (reproductions build it so)

@@ -36,11 +36,13 @@ INDENT = "    "
 
 
 def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at: int | None = None,
-           message: str = "", fault: str | None = None, path: str | None = None, world: int | None = None) -> str:
+           message: str = "", fault: str | None = None, path: str | None = None, world: int | None = None,
+           meta: bool = False) -> str:
     """The program as a script for ``torchrun --nproc-per-node WORLD``; ``fail_at`` marks the failing op.
 
     ``fault``: the catalogued bug (:mod:`paramfsm.verify.faults`) the run injected; the script injects it too.
     ``path``: a folder the script puts first on ``sys.path`` (where the factory's module was imported from).
+    ``meta``: the subject is ``Subject(meta=True)``: the script shards a meta build and initialises it.
     """
     used = sorted({type(op).__name__ for op in program.ops} | {"Config"})
     helpers = sorted({"perturbed" for op in program.ops if isinstance(op, (FullState, Checkpoint))}
@@ -71,7 +73,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         "from paramfsm.verify.checker import Checker",
         f"from paramfsm.verify.programs import {', '.join(used)}",
         "from paramfsm.verify.reproduction import run_reproduction",
-        "from paramfsm.verify.subject import load_subject",
+        f"from paramfsm.verify.subject import {'for_sharding, initialise, ' if meta else ''}load_subject",
         *([f"from paramfsm.verify.loop_helpers import {', '.join(helpers)}"] if helpers else []),
         "",
         *([f"sys.path.insert(0, {path!r})  # where `paramfsm verify` imported the factory's module from"]
@@ -82,10 +84,15 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         "def main(rank, world):",
         f"    torch.manual_seed({seed})",
         f"    subject = load_subject({factory!r})",
+        *([f"    reference, subject = for_sharding(subject, {factory!r}, {seed})  # plain init; a meta build"]
+          if meta else []),
         "    model, make_batch, loss_fn = subject.model, subject.make_batch, subject.loss_fn",
         f"    config = {program.config!r}",
-        f"    check = Checker(subject, config, seed={seed}, per_rank={per_rank})  # plain torch, verify's checks",
-        *_shard_lines(program),
+        f"    check = Checker(subject, config, seed={seed}, per_rank={per_rank}"
+        f"{', reference=reference' if meta else ''})  # plain torch, verify's checks",
+        *_shard_lines(program, meta),
+        *([f"    initialise(rt, subject, {seed})  # rt.init_weights(subject.init) after torch.manual_seed"]
+          if meta else []),
         *([f"    scaler = paramfsm.amp.GradScaler(rt, {', '.join(f'{k}={v!r}' for k, v in SCALER.items())})"]
           if scaled else []),
         f"    check.attach(rt{', scaler' if scaled else ''})",
@@ -117,12 +124,13 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
     return "\n".join(lines) + "\n"
 
 
-def _shard_lines(program: Program) -> list[str]:
+def _shard_lines(program: Program, meta: bool = False) -> list[str]:
     c = program.config
     dtype = (f", param_dtype=torch.{c.param_dtype}, reduce_dtype=torch.float32" if c.param_dtype else "")
+    device = ", device=next(reference.parameters()).device" if meta else ""
     return [f"    rt = paramfsm.shard(model, units=subject.units, retain={c.retain!r}, prefetch={c.prefetch}, "
             f"bucket_bytes={c.bucket_bytes},",
-            f"                        max_deferred_bytes={c.max_deferred_bytes}, trace=True{dtype})"]
+            f"                        max_deferred_bytes={c.max_deferred_bytes}, trace=True{dtype}{device})"]
 
 
 def _batch_line(batch: int, seen: set[int]) -> list[str]:

@@ -56,7 +56,7 @@ from paramfsm.verify.ops import (
     Backward, Checkpoint, Clip, Drop, Flush, Forward, FullState, Gathered, Loss, Overflow, Penalty, Program,
     RequiresGrad, Step, Unscale, ZeroGrad,
 )
-from paramfsm.verify.subject import load_subject
+from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import SCALER, compute_dtype, force_overflow, perturbed, reentrant_blocks
 
 
@@ -91,16 +91,19 @@ class Run:
 
     def __init__(self, rank: int, world: int, factory, program: Program, options: Options, group):
         self.rank, self.world, self.program, self.options, self.group = rank, world, program, options, group
-        subject = load_subject(factory, options.seed)
+        reference, subject = for_sharding(load_subject(factory, options.seed), factory, options.seed)
         self.subject = subject
-        self.check = Checker(subject, program.config, seed=options.seed, per_rank=options.per_rank, group=group)
+        self.check = Checker(subject, program.config, seed=options.seed, per_rank=options.per_rank, group=group,
+                             reference=reference)
         c = program.config
         self.model = subject.model
         dtype = compute_dtype(c)
         self.upcast = dtype is not None
         self.rt = paramfsm.shard(self.model, group=group, units=subject.units, retain=c.retain, prefetch=c.prefetch,
                                  bucket_bytes=c.bucket_bytes, max_deferred_bytes=c.max_deferred_bytes,
-                                 trace=True, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+                                 trace=True, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
+                                 device=next(reference.parameters()).device if reference is not None else None)
+        initialise(self.rt, subject, options.seed)
         self.scaler = paramfsm.amp.GradScaler(self.rt, **SCALER) if c.scaled else None
         self.check.attach(self.rt, self.scaler)
         self.opt = subject.optimizer(self.rt.shard_parameters())

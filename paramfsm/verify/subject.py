@@ -60,6 +60,11 @@ class Subject:
     ``blocks``: names of the modules programs may run one by one under
     reentrant checkpointing (``checkpoint(block, x, use_reentrant=True)``);
     None: the children of the model's first ``nn.ModuleList``; ``()``: none.
+    ``meta``: shard a second build of the model, made on the meta device
+    (the factory called under ``torch.device("meta")``) and initialised with
+    ``rt.init_weights(init)``; the reference is the eagerly built model
+    initialised the same way by plain torch (:func:`for_sharding`).
+    ``init``: the ``fn`` of ``init_weights`` (None: every ``reset_parameters()``).
     """
 
     model: nn.Module
@@ -72,6 +77,8 @@ class Subject:
     atol: float | None = None
     rtol: float | None = None
     blocks: tuple[str, ...] | None = None
+    meta: bool = False
+    init: Callable | None = None
 
     def tolerances(self) -> tuple[float, float]:
         dtype = next(self.model.parameters()).dtype
@@ -144,6 +151,32 @@ def load_subject(factory, seed: int | None = None) -> Subject:
         return as_subject(make())
     except Exception as exc:  # noqa: BLE001
         raise FactoryError(factory, describe(exc), user_frame(exc) or _defined_at(make)) from exc
+
+
+def for_sharding(subject: Subject, factory, seed: int) -> tuple[nn.Module | None, Subject]:
+    """``(reference model, subject to shard)``: for ``Subject(meta=True)``, the eager model initialised by
+    plain torch (after ``torch.manual_seed(seed)``) and the subject with a model built on meta; else
+    ``(None, subject)``. Shard the second, then :func:`initialise` it."""
+    if not subject.meta:
+        return None, subject
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        if subject.init is None:
+            for module in subject.model.modules():
+                if callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
+        else:
+            subject.model.apply(subject.init)
+    with torch.device("meta"):
+        built = load_subject(factory)
+    return subject.model, attrs.evolve(subject, model=built.model)
+
+
+def initialise(rt, subject: Subject, seed: int) -> None:
+    """``rt.init_weights(subject.init)`` after ``torch.manual_seed(seed)`` for ``Subject(meta=True)``."""
+    if subject.meta:
+        torch.manual_seed(seed)
+        rt.init_weights(subject.init)
 
 
 def _defined_at(fn) -> str | None:
