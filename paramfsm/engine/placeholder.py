@@ -162,7 +162,9 @@ def _error(func, args, kwargs) -> NotGathered:
     for value in list(flat):
         if isinstance(value, (list, tuple)):
             flat.extend(value)
-    param = next((a for a in flat if isinstance(a, torch.Tensor) and a in OWNERS), None)
+    owned = [a for a in flat if isinstance(a, torch.Tensor) and a in OWNERS]
+    # Name the operand that is really empty: the others may be gathered parameters of a running unit.
+    param = next((a for a in owned if type(a) in _PLAIN or type(a) is NotGatheredData), owned[0] if owned else None)
     name, unit, rank = owner(param)
     op = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     if op.endswith(("__get__", "__set__")):
