@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from paramfsm import full_state, optim
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
-from paramfsm.engine import hooks, partitioned
+from paramfsm.engine import hooks, on_demand, partitioned
 from paramfsm.engine.collectives import resolve_group, resolve_mesh, timeout_s
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.flight import FlightRecorder, make_trace
@@ -99,6 +99,7 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
         partitioned.adopt(rec.param, rec, trace_rank)
         rt.executor.free((rec,))
     rt._handles = hooks.install(model, rt.units, records, rt.scheduler.emit)
+    on_demand.watch(records, rt.scheduler)
     if param_dtype is not None:
         rt._handles.append(model.register_forward_pre_hook(partial(cast_inputs, param_dtype), with_kwargs=True))
     SHARDED[model] = True

@@ -29,15 +29,16 @@ from paramfsm.engine import graph_task as gt
 from paramfsm.engine import partitioned
 from paramfsm.engine.backward import BackwardHandlers
 from paramfsm.engine.events import (
-    BACKWARD_END, FLUSH, FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, GRAPH_FREED, POST_BACKWARD,
+    BACKWARD_END, DEMAND, FLUSH, FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, GRAPH_FREED, POST_BACKWARD,
     POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event, TaskState,
 )
+from paramfsm.engine.on_demand import OnDemandHandlers
 from paramfsm.engine.plan import PassState, Plan
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler(BackwardHandlers):
+class Scheduler(BackwardHandlers, OnDemandHandlers):
     """Applies events to parameter lifetimes; see the module docstring."""
 
     def __init__(self, table, units, records, executor, *, rank: int, retain: str, prefetch: int,
@@ -63,6 +64,8 @@ class Scheduler(BackwardHandlers):
         # One rank gathers nothing over the wire: buckets and prefetch would only add steps.
         self.planning = executor.world > 1
         self.held_outside: dict = {}  # unit -> holds taken by rt.gathered
+        self.running: list = []  # (unit, graph task) of the forwards in progress: paramfsm.engine.on_demand
+        self.warned: set = set()  # (parameter, reading unit) reads outside a unit already warned about
         self.tasks_begun = 0
         self.last_audit: list = []
         self.closed = False
@@ -91,7 +94,7 @@ class Scheduler(BackwardHandlers):
             PRE_BACKWARD: self._on_pre_backward, POST_BACKWARD: self._on_post_backward,
             GRAD_READY: self._on_grad_ready, BACKWARD_END: self._on_backward_end,
             GRAPH_FREED: self._on_graph_freed, FLUSH: lambda ev: self.flush(),
-            FORWARD_FAILED: self._on_forward_failed,
+            FORWARD_FAILED: self._on_forward_failed, DEMAND: self._on_demand,
         }
 
     # ------------------------------------------------------------------ queue
@@ -262,6 +265,7 @@ class Scheduler(BackwardHandlers):
         self.ctx.step = self.pinned_step if self.pinned_step is not None else self.ctx.step + 1
         self.forward = PassState()
         self.forward_open = True
+        self.running.clear()
 
     def _on_forward_end(self, ev: Event) -> None:
         if ev.graph_task != gt.NO_TASK or not self.forward_open:
@@ -277,6 +281,7 @@ class Scheduler(BackwardHandlers):
             self.report_failure(None, "forward-exception")
 
     def _on_pre_forward(self, ev: Event) -> None:
+        self.enter_forward(ev.unit, ev.graph_task)
         if ev.graph_task != gt.NO_TASK:
             self._recompute(ev)
             return
@@ -284,6 +289,7 @@ class Scheduler(BackwardHandlers):
         self.fetch(ev.unit, self.fwd_plan if planned else None, self.forward if planned else None)
 
     def _on_post_forward(self, ev: Event) -> None:
+        self.leave_forward(ev.unit, ev.graph_task)
         if ev.call is not None:
             ev.unit.live_graphs += 1
         if ev.graph_task == gt.NO_TASK:
@@ -322,3 +328,4 @@ class Scheduler(BackwardHandlers):
         for rec in self.records:
             self._step(rec, "reset")
         self.held_outside.clear()
+        self.running.clear()

@@ -209,7 +209,7 @@ def build_units(model: nn.Module, units: UnitsArg, rank: int, world: int) -> tup
             members[owner].append(rec)
     built = []
     for name, module in unit_modules.items():
-        if members[name]:
+        if members[name] or not name:  # the root always: it may read others' parameters (on_demand)
             built.append(Unit(len(built), name, module, members[name]))
     for unit in built:
         for rec in unit.records:
