@@ -32,13 +32,14 @@ from paramfsm.engine.events import (
     BACKWARD_END, DEMAND, FLUSH, FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, GRAPH_FREED, POST_BACKWARD,
     POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event, TaskState,
 )
+from paramfsm.engine.grad_order import GradOrder
 from paramfsm.engine.on_demand import OnDemandHandlers
 from paramfsm.engine.plan import PassState, Plan
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler(BackwardHandlers, OnDemandHandlers):
+class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
     """Applies events to parameter lifetimes; see the module docstring."""
 
     def __init__(self, table, units, records, executor, *, rank: int, retain: str, prefetch: int,
@@ -66,6 +67,11 @@ class Scheduler(BackwardHandlers, OnDemandHandlers):
         self.held_outside: dict = {}  # unit -> holds taken by rt.gathered
         self.running: list = []  # (unit, graph task) of the forwards in progress: paramfsm.engine.on_demand
         self.warned: set = set()  # (parameter, reading unit) reads outside a unit already warned about
+        # Gradients sent in each unit's order (paramfsm.engine.grad_order): staged ones, per-task plans,
+        # and each parameter's AccumulateGrad node.
+        self.staged_grads: dict = {}
+        self.grad_plans: dict = {}
+        self.grad_nodes: dict = {}
         self.tasks_begun = 0
         self.last_audit: list = []
         self.closed = False
@@ -86,7 +92,7 @@ class Scheduler(BackwardHandlers, OnDemandHandlers):
             "free": executor.free,
             "defer": self._defer_all,
             "undefer": self._undefer_all,
-            "reduce_grad": executor.take_grad,
+            "reduce_grad": self.take_grads,
         }
         self._handlers = {
             FORWARD_BEGIN: self._on_forward_begin, FORWARD_END: self._on_forward_end,
@@ -329,3 +335,5 @@ class Scheduler(BackwardHandlers, OnDemandHandlers):
             self._step(rec, "reset")
         self.held_outside.clear()
         self.running.clear()
+        self.staged_grads.clear()
+        self.grad_plans.clear()
