@@ -36,3 +36,12 @@ def default_unit_names(named: list[tuple[str, nn.Module]]) -> set[str]:
 def _below(name: str, outer: str) -> bool:
     """Whether module ``name`` lies strictly inside module ``outer``."""
     return name != outer and (outer == "" or name.startswith(outer + "."))
+
+
+def one_unit(module_name: str) -> str:
+    """A ``units=`` predicate, as text, that makes ``module_name`` one unit owning everything below it
+    and keeps the default units elsewhere (for messages that say how to merge units)."""
+    if not module_name:
+        return "lambda name, module: name == ''"
+    return (f"lambda name, module: name == {module_name!r} or (not name.startswith({module_name + '.'!r}) "
+            "and any(True for _ in module.parameters(recurse=False)))")
