@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import full_state, optim
+from paramfsm import full_state, optim, rank_agreement
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
 from paramfsm.engine import hooks, on_demand, partitioned
@@ -62,7 +62,8 @@ def check_arguments(model: nn.Module, group, retain: str, prefetch: int, collect
 
 
 def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-             bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh, replicate_group) -> None:
+             bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh, replicate_group,
+             sync_module_states: bool = False) -> None:
     """Partition ``model``'s parameters and wire the layers onto ``rt`` (the fields the facade reads)."""
     rt.model = model
     device = model_device(model)
@@ -70,6 +71,9 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
     # Hybrid sharding: the 2-D mesh and its replicate group; traces and dumps carry the global rank.
     rt.mesh, rt.replicate_group = mesh, replicate_group
     rt.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+    if rt.world > 1 or rt.replicas > 1:
+        rank_agreement.agree(model, [rt.group] + ([replicate_group] if replicate_group is not None else []), device,
+                             sync_module_states=sync_module_states)
     trace_rank = dist.get_rank() if mesh is not None else rt.rank
     rt.table = compile_table(load_spec(spec)) if spec is not None else default_table()
     rt.units, by_id = build_units(model, units, rt.rank, rt.world)

@@ -24,7 +24,7 @@ from paramfsm.errors import ParamFSMError
 def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
           prefetch: int = 1, trace=False, spec=None, *, strict: bool = False,
           bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False,
-          collective_timeout: float | None = None, mesh=None) -> "Runtime":
+          collective_timeout: float | None = None, mesh=None, sync_module_states: bool = False) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
     ``units``: None (every module owning parameters directly), module classes,
@@ -57,12 +57,17 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     sharded along the shard dimension and replicated along the other; gradients
     are reduce-scattered within the shard group, then all-reduced across
     replicas (averaged over every rank, like plain torch on the global batch).
+    ``sync_module_states``: broadcast rank 0's parameters and buffers before
+    sharding. Every call checks that all ranks hold the same model (one small
+    collective, :mod:`paramfsm.rank_agreement`): different parameters raise
+    ``ModelMismatch``, different values warn ``RanksDiffer``.
     """
     group, replicate_group, limit = assembly.check_arguments(model, group, retain, prefetch,
                                                              collective_timeout, mesh)
     return Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                    bucket_bytes, param_dtype, reduce_dtype, debug, limit,
-                   mesh if replicate_group is not None else None, replicate_group)
+                   mesh if replicate_group is not None else None, replicate_group,
+                   sync_module_states=sync_module_states)
 
 
 class Runtime:
@@ -70,10 +75,10 @@ class Runtime:
 
     def __init__(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                  bucket_bytes, param_dtype, reduce_dtype, debug=False, collective_timeout=600.0,
-                 mesh=None, replicate_group=None):
+                 mesh=None, replicate_group=None, *, sync_module_states=False):
         assembly.assemble(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                           bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh,
-                          replicate_group)
+                          replicate_group, sync_module_states=sync_module_states)
 
     # ------------------------------------------------------------------ lookup
     def record(self, param_or_name):
