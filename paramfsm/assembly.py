@@ -26,6 +26,7 @@ from paramfsm.engine.flight import FlightRecorder, make_trace
 from paramfsm.engine.scheduler import Scheduler
 from paramfsm.engine.streams import streams_for
 from paramfsm.engine.units import build_units
+from paramfsm.engine.unsupported import refuse_unsupported
 from paramfsm.errors import ParamFSMError
 
 RETAIN_POLICIES = ("defer", "regather")
@@ -66,6 +67,7 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
              sync_module_states: bool = False) -> None:
     """Partition ``model``'s parameters and wire the layers onto ``rt`` (the fields the facade reads)."""
     rt.model = model
+    refuse_unsupported(model)
     device = model_device(model)
     rt.group, rt.rank, rt.world = resolve_group(group, device)
     # Hybrid sharding: the 2-D mesh and its replicate group; traces and dumps carry the global rank.
