@@ -30,6 +30,12 @@ same point and issues the same extra all-gather: the collectives stay
 paired. The discovery costs one all-gather, once; later passes gather the
 parameter with the reading unit's bucket. Outside any forward or backward
 there is no reading unit, and ``NotGathered`` is raised as before.
+
+[Note: on-demand gathers never mask a lifetime bug]
+A unit is noted as running when its ``PRE_FORWARD`` arrives, before the
+scheduler fetches it (``enter_forward`` wraps the fetch), so a parameter
+found empty while *its own* unit runs (its fetch went wrong) is not
+gathered on demand: ``NotGathered`` says so, as it always did.
 """
 
 from __future__ import annotations
@@ -78,8 +84,8 @@ class OnDemandHandlers:
             return False
         task = gt.current_task()
         reader = self.reading_unit(task)
-        if reader is None:
-            return False
+        if reader is None or reader in rec.units:
+            return False  # no unit runs, or the parameter's own unit runs without it: NotGathered
         self.emit(Event(DEMAND, None, task, task != gt.NO_TASK and gt.keeps_graph(), rec))
         if reader in rec.units and (rec.name, reader.name) not in self.warned:
             self.warned.add((rec.name, reader.name))
@@ -99,14 +105,19 @@ class OnDemandHandlers:
                     return unit
         return None
 
-    def enter_forward(self, unit, task: int) -> None:
-        self.running.append((unit, task))
+    def enter_forward(self, ev: Event) -> None:
+        """``PRE_FORWARD``: note the unit as running, then fetch it (``_on_pre_forward``)."""
+        self.running.append((ev.unit, ev.graph_task))
+        self._on_pre_forward(ev)
 
-    def leave_forward(self, unit, task: int) -> None:
-        for i in range(len(self.running) - 1, -1, -1):
-            if self.running[i] == (unit, task):
-                del self.running[i]
-                return
+    def leave_forward(self, ev: Event) -> None:
+        """``POST_FORWARD``: the unit no longer runs; release it (``_on_post_forward``)."""
+        running, entry = self.running, (ev.unit, ev.graph_task)
+        for i in range(len(running) - 1, -1, -1):
+            if running[i] == entry:
+                del running[i]
+                break
+        self._on_post_forward(ev)
 
     def _on_demand(self, ev: Event) -> None:
         rec, task = ev.record, ev.graph_task

@@ -96,7 +96,7 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
         }
         self._handlers = {
             FORWARD_BEGIN: self._on_forward_begin, FORWARD_END: self._on_forward_end,
-            PRE_FORWARD: self._on_pre_forward, POST_FORWARD: self._on_post_forward,
+            PRE_FORWARD: self.enter_forward, POST_FORWARD: self.leave_forward,
             PRE_BACKWARD: self._on_pre_backward, POST_BACKWARD: self._on_post_backward,
             GRAD_READY: self._on_grad_ready, BACKWARD_END: self._on_backward_end,
             GRAPH_FREED: self._on_graph_freed, FLUSH: lambda ev: self.flush(),
@@ -287,7 +287,6 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
             self.report_failure(None, "forward-exception")
 
     def _on_pre_forward(self, ev: Event) -> None:
-        self.enter_forward(ev.unit, ev.graph_task)
         if ev.graph_task != gt.NO_TASK:
             self._recompute(ev)
             return
@@ -295,7 +294,6 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
         self.fetch(ev.unit, self.fwd_plan if planned else None, self.forward if planned else None)
 
     def _on_post_forward(self, ev: Event) -> None:
-        self.leave_forward(ev.unit, ev.graph_task)
         if ev.call is not None:
             ev.unit.live_graphs += 1
         if ev.graph_task == gt.NO_TASK:
