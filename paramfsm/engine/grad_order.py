@@ -22,12 +22,25 @@ staged gradient, or, for a missing one, zeros (``grad_ready`` is stepped for
 it all the same, so the trace shows it took part). Units close in the order
 their backward finishes, which the ranks agree on whenever they agree on
 which units run; inside a unit the graphs may differ. Whatever is still
-open at the end of the graph task (an expected gradient never came, e.g.
-``torch.autograd.grad`` captured it) closes then, in model order.
+open at the end of the graph task (an expected gradient never came)
+closes then, in model order. A backward that captures gradients
+(``torch.autograd.grad``) accumulates into no parameter on any rank, so
+nothing counts as missing there (torch refuses the question for a captured
+leaf, which is how it is told).
 Parameters of several units (tied, or borrowed by
 :mod:`paramfsm.engine.on_demand`) keep the direct path: their gradient is
 complete after their last use, which the ranks agree on at unit level. When
 the private check is missing, every parameter counts as expected.
+
+[Note: late gradients]
+Reentrant activation checkpointing inside a unit accumulates the gradients
+of the checkpointed part in a nested graph task: those parameters are not in
+the outer backward's graph, so at the unit's pre-backward they count as
+missing (zeros go out, flagged as no gradient) and their real gradients
+arrive after the unit closed. They are sent at the end of the outermost
+backward, unit by unit in model order, each unit with every parameter it
+zero-filled in this backward (the late gradient, or zeros again), so ranks
+on which different parameters came late still send the same sizes.
 
 [Note: a gradient no rank produced stays None]
 Plain torch leaves ``.grad`` None for a parameter that no part of the loss
@@ -68,11 +81,14 @@ class GradOrder:
             plan = self.grad_plans[task] = {}
         if unit in plan:
             return
-        expected, missing = set(), []
+        expected, missing, capturing = set(), [], False
         for rec in unit.records:
             if staged(rec) and rec.requires_grad and rec not in self.staged_grads:
-                (expected.add(rec) if self._will_reach(rec) else missing.append(rec))
-        plan[unit] = (expected, missing)
+                reach = self._will_reach(rec)
+                capturing = capturing or reach is None
+                (expected.add(rec) if reach is not False else missing.append(rec))
+        # torch.autograd.grad accumulates into no parameter, on any rank: nothing is missing then
+        plan[unit] = (expected, [] if capturing else missing)
         if not expected:
             self._close(unit, plan)
 
@@ -101,24 +117,35 @@ class GradOrder:
                 self._close(unit, plan)
 
     def close_task(self, task: int) -> None:
-        """The end of a graph task: close, in model order, what is still open or staged."""
+        """The end of a graph task: close, in model order, what is still open; at the end of the
+        outermost one, send what came late (see [Note: late gradients])."""
         if self.executor.local:
             return
-        plan = self.grad_plans.pop(task, None) or {}
-        if not self.tasks:  # the outermost task: nothing may stay staged past it
-            for unit in {rec.units[0] for rec in self.staged_grads}:
-                plan.setdefault(unit, (set(), []))
+        plan = self.grad_plans.pop(task, None)
         if plan:
             for unit in self.units:
                 if plan.get(unit) is not None:
                     self._close(unit, plan)
+        if self.tasks:
+            return
+        grads, filled = self.staged_grads, self.zero_filled
+        if grads:
+            late = {rec.units[0] for rec in grads}
+            for unit in self.units:
+                if unit in late:
+                    gone = filled.get(unit, ())
+                    self.executor.take_ordered([(rec, grads.pop(rec, None)) for rec in unit.records
+                                                if rec in grads or rec in gone])
+        filled.clear()
 
     def _close(self, unit, plan) -> None:
         """Send ``unit``'s gradients in its order: staged ones, zeros for the missing ones."""
         _, missing = plan[unit]
         plan[unit] = None
+        missing = [rec for rec in missing if rec not in self.staged_grads]  # some came late, before this
         if missing:
             self._step_all(missing, "grad_ready")  # stages None: zeros go out, flagged as no gradient here
+            self.zero_filled.setdefault(unit, set()).update(missing)
         grads = self.staged_grads
         out = [(rec, grads.pop(rec)) for rec in unit.records if rec in grads]
         if out:
@@ -129,15 +156,16 @@ class GradOrder:
             done = [rec for rec in missing if holds.pop(rec, 0) is None]
             self._step_all(done, "release", ts is not None and ts.keep_graph and self.defer_allowed)
 
-    def _will_reach(self, rec) -> bool:
-        """Whether this backward accumulates a gradient into ``rec`` (True when torch cannot say)."""
+    def _will_reach(self, rec) -> bool | None:
+        """Whether this backward accumulates a gradient into ``rec``: True (or when torch cannot say),
+        False, or None when the backward captures it (``torch.autograd.grad``: nothing is accumulated)."""
         node = self.grad_nodes.get(rec)
         if node is None:
             node = self.grad_nodes[rec] = get_gradient_edge(rec.param).node
         try:
             return bool(_WILL_EXECUTE(node)) if _WILL_EXECUTE is not None else True
-        except RuntimeError:  # e.g. autograd.grad capturing the leaf: it is not accumulated, so not missing
-            return True
+        except RuntimeError:  # torch refuses the question for a leaf that autograd.grad captures
+            return None
 
 
 class Flags:

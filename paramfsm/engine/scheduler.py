@@ -72,6 +72,7 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
         self.staged_grads: dict = {}
         self.grad_plans: dict = {}
         self.grad_nodes: dict = {}
+        self.zero_filled: dict = {}  # unit -> parameters sent as zeros in this backward
         self.tasks_begun = 0
         self.last_audit: list = []
         self.closed = False
@@ -335,3 +336,4 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
         self.running.clear()
         self.staged_grads.clear()
         self.grad_plans.clear()
+        self.zero_filled.clear()
