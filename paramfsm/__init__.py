@@ -9,11 +9,11 @@ reduce-scatter). See the README for the public contract.
 
 from paramfsm.core.spec import State
 from paramfsm.errors import (
-    CollectiveTimeout, IllegalTransition, NotGathered, ParamFSMError, RankDesync, SpecError,
+    CollectiveTimeout, IllegalTransition, ModelMismatch, NotGathered, ParamFSMError, RankDesync, SpecError,
 )
 
 __all__ = ["shard", "by_size", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync",
-           "CollectiveTimeout", "NotGathered"]
+           "CollectiveTimeout", "NotGathered", "ModelMismatch"]
 __version__ = "0.1.0"
 
 

@@ -16,16 +16,17 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import full_state, meta, optim
+from paramfsm import full_state, meta, optim, rank_agreement
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
-from paramfsm.engine import hooks, partitioned
+from paramfsm.engine import hooks, on_demand, partitioned
 from paramfsm.engine.collectives import resolve_group, resolve_mesh, timeout_s
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.flight import FlightRecorder, make_trace
 from paramfsm.engine.scheduler import Scheduler
 from paramfsm.engine.streams import streams_for
 from paramfsm.engine.units import build_units
+from paramfsm.engine.unsupported import refuse_unsupported
 from paramfsm.errors import ParamFSMError
 
 RETAIN_POLICIES = ("defer", "regather")
@@ -63,14 +64,18 @@ def check_arguments(model: nn.Module, group, retain: str, prefetch: int, collect
 
 def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
              bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh, replicate_group,
-             device=None, device_mesh=None) -> None:
+             device=None, device_mesh=None, sync_module_states: bool = False) -> None:
     """Partition ``model``'s parameters and wire the layers onto ``rt`` (the fields the facade reads)."""
     rt.model = model
+    refuse_unsupported(model)
     device, born_meta = meta.placement(model, device, device_mesh)
     rt.group, rt.rank, rt.world = resolve_group(group, device)
     # Hybrid sharding: the 2-D mesh and its replicate group; traces and dumps carry the global rank.
     rt.mesh, rt.replicate_group = mesh, replicate_group
     rt.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+    if rt.world > 1 or rt.replicas > 1:
+        rank_agreement.agree(model, [rt.group] + ([replicate_group] if replicate_group is not None else []), device,
+                             sync_module_states=sync_module_states)
     trace_rank = dist.get_rank() if mesh is not None else rt.rank
     rt.table = compile_table(load_spec(spec)) if spec is not None else default_table()
     rt.units, by_id = build_units(model, units, rt.rank, rt.world, device=device, release=True)
@@ -101,6 +106,7 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
         rt.executor.free((rec,))
     rt._handles = hooks.install(model, rt.units, records, rt.scheduler.emit)
     meta.watch(rt, born_meta, device)
+    on_demand.watch(records, rt.scheduler)
     if param_dtype is not None:
         rt._handles.append(model.register_forward_pre_hook(partial(cast_inputs, param_dtype), with_kwargs=True))
     SHARDED[model] = True

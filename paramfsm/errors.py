@@ -63,13 +63,13 @@ class IllegalTransition(ParamFSMError):
 class RankDesync(ParamFSMError):
     """Ranks issued collectives in different orders; raised instead of hanging."""
 
-    def __init__(self, *, rank: int, unit: str, step: int, detail: str):
+    def __init__(self, *, rank: int, unit: str, step: int, detail: str, advice: str = ""):
         self.rank, self.unit, self.step, self.detail = rank, unit, step, detail
         super().__init__(
             f"rank desync detected on rank {rank} at step {step}, unit '{unit}': {detail}. "
             "What to do: every rank must run the same modules in the same order "
             "(data-dependent branches must agree across ranks); make branch decisions "
-            "from values that are identical on all ranks."
+            "from values that are identical on all ranks" + (f", or {advice}" if advice else ".")
         )
 
 
@@ -119,3 +119,8 @@ class NotGathered(ParamFSMError):
             "uses it, make both modules one unit (paramfsm.shard(..., units=...)). "
             "State dicts come from rt.full_state_dict() or rt.sharded_state_dict()."
         )
+
+
+class ModelMismatch(ParamFSMError):
+    """The ranks hold models with different parameters (names, shapes, dtypes or tying); raised by
+    ``paramfsm.shard`` on every rank (see :mod:`paramfsm.rank_agreement`)."""

@@ -24,7 +24,8 @@ from paramfsm.errors import ParamFSMError
 def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
           prefetch: int = 1, trace=False, spec=None, *, strict: bool = False,
           bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False,
-          collective_timeout: float | None = None, mesh=None, device=None) -> "Runtime":
+          collective_timeout: float | None = None, mesh=None, device=None,
+          sync_module_states: bool = False) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
     ``units``: None (every module owning parameters directly), module classes,
@@ -57,6 +58,7 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     sharded along the shard dimension and replicated along the other; gradients
     are reduce-scattered within the shard group, then all-reduced across
     replicas (averaged over every rank, like plain torch on the global batch).
+          collective_timeout: float | None = None, mesh=None, device=None) -> "Runtime":
     ``device``: where the shards of a model built on the meta device go (default:
     the current CUDA device when CUDA is available, else the CPU); its values are
     then set by :meth:`Runtime.init_weights` or a load (see :mod:`paramfsm.meta`).
@@ -66,7 +68,8 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
                                                              collective_timeout, mesh)
     return Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                    bucket_bytes, param_dtype, reduce_dtype, debug, limit,
-                   mesh if replicate_group is not None else None, replicate_group, device, mesh)
+                   mesh if replicate_group is not None else None, replicate_group, device, mesh,
+                   sync_module_states=sync_module_states)
 
 
 class Runtime:
@@ -74,10 +77,10 @@ class Runtime:
 
     def __init__(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                  bucket_bytes, param_dtype, reduce_dtype, debug=False, collective_timeout=600.0,
-                 mesh=None, replicate_group=None, device=None, device_mesh=None):
+                 mesh=None, replicate_group=None, device=None, device_mesh=None, *, sync_module_states=False):
         assembly.assemble(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                           bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh,
-                          replicate_group, device, device_mesh)
+                          replicate_group, device, device_mesh, sync_module_states=sync_module_states)
 
     # ------------------------------------------------------------------ lookup
     def record(self, param_or_name):

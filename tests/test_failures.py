@@ -7,8 +7,10 @@ work, compared with plain torch), and models paramfsm cannot partition.
 
 from __future__ import annotations
 
+import copy
 import io
 import time
+import warnings
 
 import pytest
 import torch
@@ -71,7 +73,7 @@ def test_use_of_a_parameter_that_is_not_gathered(ranks2):
 
 
 class CrossUnit(nn.Module):
-    """A module that reads another unit's weight directly in its forward: a unit boundary bug."""
+    """A module that reads another unit's weight directly in its forward (outside that unit)."""
 
     def __init__(self):
         super().__init__()
@@ -84,18 +86,27 @@ class CrossUnit(nn.Module):
 
 
 def cross_unit_job(rank, world):
+    torch.manual_seed(0)
     model = CrossUnit()
-    rt = paramfsm.shard(model, units=[nn.Embedding, nn.Linear])
+    want = copy.deepcopy(model)(torch.zeros(2, 3, dtype=torch.long))
+    paramfsm.shard(model, units=[nn.Embedding, nn.Linear])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = model(torch.zeros(2, 3, dtype=torch.long))
     try:
-        model(torch.zeros(2, 3, dtype=torch.long))
+        model.embed.weight[:4].sum()
     except NotGathered as exc:
-        return str(exc)
-    return "no error"
+        outside = str(exc)
+    return torch.allclose(got, want), [str(w.message) for w in caught], outside
 
 
 def test_another_units_parameter_inside_forward(ranks2):
-    message = ranks2.run(cross_unit_job)[0]
-    assert "'embed.weight'" in message and "units=" in message, message
+    """Read inside the root's forward, the embedding's weight is gathered on demand, with a warning that
+    names it and the units= to pass; read outside any forward it is still NotGathered, naming it."""
+    same, told, outside = ranks2.run(cross_unit_job)[0]
+    assert same
+    assert len(told) == 1 and "'embed.weight'" in told[0] and "units=" in told[0], told
+    assert "'embed.weight'" in outside and "not gathered" in outside, outside
 
 
 def generation_job(rank, world):

@@ -103,7 +103,7 @@ def dump_triggers_job(rank, world, out_dir):
     model.fail = None
     model(x).sum().backward()  # the next forward recovers from the interrupted backward
     try:
-        rt.scheduler.emit(Event(POST_FORWARD, rt.units[0], gt.NO_TASK))  # a release nobody fetched
+        rt.scheduler.emit(Event(POST_FORWARD, rt.units[1], gt.NO_TASK))  # a release nobody fetched (0: the root)
     except IllegalTransition as exc:
         found["note"] = "".join(getattr(exc, "__notes__", []))
     out = model(x)

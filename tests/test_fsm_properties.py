@@ -68,6 +68,8 @@ class Facts:
             return not self.full
         if event == "arrive":
             return not self.pending
+        if event == "demand":  # only an empty parameter's placeholder asks for an on-demand gather
+            return self.full
         return False
 
     def run(self, effects: tuple[str, ...]) -> None:
@@ -169,13 +171,13 @@ class LifetimeMachine(RuleBasedStateMachine):
         assert isinstance(effects, tuple) and set(effects) <= EFFECTS, effects
         if len(self.trace) == n_records:  # an ignore row
             assert effects == () and (rec.state, rec.holds) == (src, holds), "an ignored event changed something"
-            assert event not in ("fetch", "release", "arrive", "grad_ready"), f"{event} in {src.name} was ignored"
+            assert event not in ("fetch", "demand", "release", "arrive", "grad_ready"), f"{event} in {src.name} was ignored"
         else:
             last = self.trace.records[-1]
             assert (last.param, last.unit, last.event, last.src, last.dst, last.effects, last.holds) == (
                 rec.name, rec.unit, event, src.name, rec.state.name, effects, holds)
             self._check_design(rec, event, src, holds, effects, keep_graph, retained)
-            facts.holds = {"fetch": holds + 1, "release": holds - 1, "reset": 0}.get(event, holds)
+            facts.holds = {"fetch": holds + 1, "demand": holds + 1, "release": holds - 1, "reset": 0}.get(event, holds)
             facts.run(effects)
         facts.agrees_with(rec)
 
@@ -185,8 +187,8 @@ class LifetimeMachine(RuleBasedStateMachine):
         dst = rec.state
         if event == "fetch" and src is DEFERRED:
             assert dst is AVAILABLE and "start_gather" not in effects, "fetch from DEFERRED_RELEASE must reuse"
-        if event == "fetch" and src is NA:
-            assert dst is INFLIGHT and "start_gather" in effects, "a first fetch must gather"
+        if event in ("fetch", "demand") and src is NA:
+            assert dst is INFLIGHT and "start_gather" in effects, f"a first {event} must gather"
         if event == "release" and src is AVAILABLE and holds == 1:
             assert dst is (DEFERRED if keep_graph else NA), f"last release with keep_graph={keep_graph} -> {dst}"
         if event == "release" and holds >= 2:

@@ -70,6 +70,9 @@ BROKEN = {
                         "the model's forward: RuntimeError: ", None),
     "failing_import": ("import torch\nimport no_such_dependency_here\n",
                        "No module named 'no_such_dependency_here'", 2),
+    "unsupported_module": (USER_MODEL.replace("torch.nn.Linear(5, 7)", "torch.nn.EmbeddingBag(5, 7, max_norm=1.0)"),
+                           "the model cannot run under paramfsm: ParamFSMError: module '0' is "
+                           "EmbeddingBag(max_norm=1.0)", None),
 }
 
 

@@ -90,6 +90,7 @@ class BackwardHandlers:
         for rec in waiting:
             holds[rec] = None
         self._step_all(waiting, "fetch")
+        self.expect_grads(unit, ev.graph_task)
 
     def _on_post_backward(self, ev: Event) -> None:
         ts = self._begin_task(ev.graph_task, ev.keep_graph)
@@ -142,6 +143,7 @@ class BackwardHandlers:
         ts = self.tasks.pop(ev.graph_task, None)
         if ts is None:
             return
+        self.close_task(ev.graph_task)  # [Note: a unit's gradients go out in the unit's order]
         for held in (ts.open, ts.recomputing):
             for unit, count in reversed(list(held.items())):
                 for _ in range(count):

@@ -15,6 +15,7 @@ PRE_FORWARD, POST_FORWARD = "pre_forward", "post_forward"
 PRE_BACKWARD, POST_BACKWARD = "pre_backward", "post_backward"
 GRAD_READY, BACKWARD_END, GRAPH_FREED = "grad_ready", "backward_end", "graph_freed"
 FLUSH = "flush"
+DEMAND = "demand"  # a parameter read outside its unit (paramfsm.engine.on_demand)
 
 
 class Event:

@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from paramfsm.engine import kernels, placeholder, rankcheck
+from paramfsm.engine import grad_order, kernels, placeholder, rankcheck
 from paramfsm.engine.collectives import DEFAULT_TIMEOUT_S, reduce_scatter_flat, waiter
 from paramfsm.engine.gathers import PERSISTENT_BYTES, Gathers
 from paramfsm.engine.inflight import Counters
@@ -69,6 +69,7 @@ class Executor(Gathers):
         self.counters = Counters()
         self._empty: dict[tuple, torch.Tensor] = {}
         self._grads: list = []  # (record, grad) waiting for the next reduce bucket
+        self._had: dict = {}  # record -> whether this rank had its gradient, for those staged in unit order
         self._grad_bytes = 0
         self._reduces: list = []  # (ticket, records, layout) in flight
         # The rank-order check (paramfsm.engine.rankcheck): "tag" rides in the bucket, "header" is a
@@ -132,19 +133,41 @@ class Executor(Gathers):
             if grad is None:
                 continue
             set_real_grad(rec.param, None)
-            owned = not grad.requires_grad
-            grad = grad if owned else grad.detach()
-            if self.local:
-                self._accumulate(rec, grad.reshape(-1))
-                continue
-            size = grad.numel() * grad.element_size()
-            if size >= self.bucket_bytes:  # a bucket of its own: see [Note: a big gradient is reduced in place]
-                self._reduce([(rec, grad if owned else grad.clone())])
-                continue
-            self._grads.append((rec, grad))
-            self._grad_bytes += size
-            if self._grad_bytes >= self.bucket_bytes:
-                self.flush_grads()
+            self._take(rec, grad)
+
+    def detach_grad(self, rec):
+        """Take ``param.grad`` off the parameter (None when autograd produced none on this rank)."""
+        grad = real_grad(rec.param)
+        if grad is not None:
+            set_real_grad(rec.param, None)
+        return grad
+
+    def take_ordered(self, pairs) -> None:
+        """One unit's staged gradients, in the unit's order; None: zeros, flagged as no gradient here
+        (see [Note: a unit's gradients go out in the unit's order] in paramfsm.engine.grad_order)."""
+        for rec, grad in pairs:
+            had = grad is not None
+            if not had:
+                grad = torch.zeros(rec.shape, dtype=self.param_dtype or rec.shard.dtype, device=rec.shard.device)
+            self._take(rec, grad, had)
+
+    def _take(self, rec, grad, had=None) -> None:
+        """Put one gradient into the pending bucket (or reduce it alone when it is big)."""
+        owned = not grad.requires_grad
+        grad = grad if owned else grad.detach()
+        if self.local:
+            self._accumulate(rec, grad.reshape(-1))
+            return
+        size = grad.numel() * grad.element_size()
+        if size >= self.bucket_bytes:  # a bucket of its own: see [Note: a big gradient is reduced in place]
+            self._reduce([(rec, grad if owned else grad.clone())])
+            return
+        if had is not None:
+            self._had[rec] = had
+        self._grads.append((rec, grad))
+        self._grad_bytes += size
+        if self._grad_bytes >= self.bucket_bytes:
+            self.flush_grads()
 
     def flush_grads(self) -> None:
         """Issue one async reduce-scatter for every pending gradient."""
@@ -154,6 +177,9 @@ class Executor(Gathers):
 
     def _reduce(self, pending) -> None:
         """Issue one async reduce-scatter for ``pending`` (record, gradient) pairs."""
+        payload = sum(-(-rec.numel // self.world) for rec, _ in pending)
+        if self._had:
+            pending = grad_order.add_flags(pending, self._had, self.world)
         records = [rec for rec, _ in pending]
         grads = [g for _, g in pending]
         dtype = self.reduce_dtype or grads[0].dtype
@@ -173,7 +199,7 @@ class Executor(Gathers):
         ticket = self.streams.launch(REDUCE, self._issue_reduce, layout, dtype, grads)
         self._reduces.append((ticket, records, layout))
         self.counters.reduce_scatters += 1
-        self.counters.reduced_bytes += layout.total * self.world * dtype.itemsize
+        self.counters.reduced_bytes += payload * self.world * dtype.itemsize
 
     def finish_reduces(self) -> None:
         """Flush the last bucket, wait for every reduce-scatter, accumulate into shard grads."""
@@ -223,7 +249,7 @@ class Executor(Gathers):
     def _complete(self, reduce) -> None:
         ticket, records, layout = reduce
         out = self._join_reduce(ticket, records)
-        for rec, piece in zip(records, out.split(layout.shard_numels)):
+        for rec, piece in grad_order.without_unproduced(records, out.split(layout.shard_numels)):
             self._accumulate(rec, piece)
 
     def abort_reduces(self) -> None:
@@ -235,6 +261,7 @@ class Executor(Gathers):
         backward to whatever the user does next, even after ``zero_grad``.
         """
         self._grads, self._grad_bytes = [], 0
+        self._had.clear()
         reduces, self._reduces = self._reduces, []
         for ticket, records, _ in reduces:
             self._join_reduce(ticket, records)

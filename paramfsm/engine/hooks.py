@@ -75,6 +75,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine import higher_order
+from paramfsm.engine.compile_guard import eager
 from paramfsm.engine.events import (
     FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event,
     ForwardCall,
@@ -242,15 +243,15 @@ def _root_forward_end(emit, chain, module, args, output) -> None:
 def install(root: torch.nn.Module, units, records, emit) -> list:
     """Register every hook; returns the handles so ``rt.close()`` can remove them."""
     chain = _Chain()
-    handles = [
+    handles = [  # every hook opaque to torch.compile: [Note: hooks are opaque to Dynamo]
         root.register_forward_pre_hook(
-            lambda module, args: emit(Event(FORWARD_BEGIN, None, gt.current_task()))),
+            eager(lambda module, args: emit(Event(FORWARD_BEGIN, None, gt.current_task())))),
     ]
     for unit in units:
         handles.append(unit.module.register_forward_pre_hook(
-            partial(_pre_forward, emit, unit, chain), with_kwargs=True))
-        handles.append(unit.module.register_forward_hook(partial(_post_forward, emit, unit, chain)))
-    handles.append(root.register_forward_hook(partial(_root_forward_end, emit, chain), always_call=True))
+            eager(partial(_pre_forward, emit, unit, chain)), with_kwargs=True))
+        handles.append(unit.module.register_forward_hook(eager(partial(_post_forward, emit, unit, chain))))
+    handles.append(root.register_forward_hook(eager(partial(_root_forward_end, emit, chain)), always_call=True))
     for rec in records:
         if rec.requires_grad:
             watch_grads(rec, emit)

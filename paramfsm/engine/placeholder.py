@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
+from paramfsm.engine import on_demand
 from paramfsm.engine.partitioned import OWNERS, owner, record_of
 from paramfsm.errors import NotGathered
 
@@ -120,7 +121,19 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
     elif name in _METADATA:
         with DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
+    empty = _empty_parameters(args, kwargs)
+    if empty and all(on_demand.gather(p) for p in empty):  # read by a running unit: gathered for it
+        return func(*args, **(kwargs or {}))
     raise _error(func, args, kwargs)
+
+
+def _empty_parameters(args, kwargs) -> list:
+    """The empty partitioned parameters among an operation's operands (one level of lists)."""
+    flat = list(args) + list((kwargs or {}).values())
+    for value in list(flat):
+        if isinstance(value, (list, tuple)):
+            flat.extend(value)
+    return [a for a in flat if type(a) in _PLAIN]
 
 
 def _logical_method(name: str, rec, dim=None):
@@ -162,7 +175,9 @@ def _error(func, args, kwargs) -> NotGathered:
     for value in list(flat):
         if isinstance(value, (list, tuple)):
             flat.extend(value)
-    param = next((a for a in flat if isinstance(a, torch.Tensor) and a in OWNERS), None)
+    owned = [a for a in flat if isinstance(a, torch.Tensor) and a in OWNERS]
+    # Name the operand that is really empty: the others may be gathered parameters of a running unit.
+    param = next((a for a in owned if type(a) in _PLAIN or type(a) is NotGatheredData), owned[0] if owned else None)
     name, unit, rank = owner(param)
     op = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     if op.endswith(("__get__", "__set__")):

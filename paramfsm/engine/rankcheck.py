@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from paramfsm.engine.collectives import all_gather_tags
+from paramfsm.engine.default_units import one_unit
 from paramfsm.errors import RankDesync
 
 TAG_FIELDS = ("gather", "step", "unit", "elements")
@@ -81,5 +82,24 @@ def _raise(tags: list[tuple[int, ...]], rank: int, unit_names, what: str) -> Non
     lines = "; ".join(f"rank {r}: {what} #{n} for unit '{_unit_name(u, unit_names)}' at step {s} "
                       f"({e} elements per rank)" for r, (n, s, u, e) in enumerate(tags))
     differing = sorted({rank, *(r for r, t in enumerate(tags) if t != mine)})
+    scope = enclosing_module([_unit_name(t[2], unit_names) for t in tags if t != tags[0]] +
+                             [_unit_name(tags[0][2], unit_names)])
+    advice = "" if scope is None else (
+        f"if a data-dependent branch runs a module on some ranks only (a mixture of experts, an early exit), "
+        f"make the module enclosing the branch one unit, probably '{scope}', so every rank gathers and "
+        f"reduces it whole: paramfsm.shard(model, units={one_unit(scope)}) or units=[its class]")
     raise RankDesync(rank=rank, unit=_unit_name(mine[2], unit_names), step=mine[1],
-                     detail=f"ranks {differing} issued different collectives ({lines})")
+                     detail=f"ranks {differing} issued different collectives ({lines})", advice=advice)
+
+
+def enclosing_module(unit_names) -> str | None:
+    """The module that probably holds the branch between ``unit_names`` (the units the ranks disagree on):
+    the deepest parent of one of them, past ``ModuleList``-style containers (a numeric last name)."""
+    parents = []
+    for name in unit_names:
+        parts = name.split(".") if name and not name.startswith("<") else []
+        if parts and parts.pop().isdigit() and parts:
+            parts.pop()  # an indexed child of a container (ModuleList): the container's owner holds the branch
+        if parts:
+            parents.append(".".join(parts))
+    return max(parents, key=lambda p: p.count("."), default=None)

@@ -29,15 +29,17 @@ from paramfsm.engine import graph_task as gt
 from paramfsm.engine import partitioned
 from paramfsm.engine.backward import BackwardHandlers
 from paramfsm.engine.events import (
-    BACKWARD_END, FLUSH, FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, GRAPH_FREED, POST_BACKWARD,
+    BACKWARD_END, DEMAND, FLUSH, FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, GRAPH_FREED, POST_BACKWARD,
     POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event, TaskState,
 )
+from paramfsm.engine.grad_order import GradOrder
+from paramfsm.engine.on_demand import OnDemandHandlers
 from paramfsm.engine.plan import PassState, Plan
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler(BackwardHandlers):
+class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
     """Applies events to parameter lifetimes; see the module docstring."""
 
     def __init__(self, table, units, records, executor, *, rank: int, retain: str, prefetch: int,
@@ -63,6 +65,14 @@ class Scheduler(BackwardHandlers):
         # One rank gathers nothing over the wire: buckets and prefetch would only add steps.
         self.planning = executor.world > 1
         self.held_outside: dict = {}  # unit -> holds taken by rt.gathered
+        self.running: list = []  # (unit, graph task) of the forwards in progress: paramfsm.engine.on_demand
+        self.warned: set = set()  # (parameter, reading unit) reads outside a unit already warned about
+        # Gradients sent in each unit's order (paramfsm.engine.grad_order): staged ones, per-task plans,
+        # and each parameter's AccumulateGrad node.
+        self.staged_grads: dict = {}
+        self.grad_plans: dict = {}
+        self.grad_nodes: dict = {}
+        self.zero_filled: dict = {}  # unit -> parameters sent as zeros in this backward
         self.tasks_begun = 0
         self.last_audit: list = []
         self.closed = False
@@ -83,15 +93,15 @@ class Scheduler(BackwardHandlers):
             "free": executor.free,
             "defer": self._defer_all,
             "undefer": self._undefer_all,
-            "reduce_grad": executor.take_grad,
+            "reduce_grad": self.take_grads,
         }
         self._handlers = {
             FORWARD_BEGIN: self._on_forward_begin, FORWARD_END: self._on_forward_end,
-            PRE_FORWARD: self._on_pre_forward, POST_FORWARD: self._on_post_forward,
+            PRE_FORWARD: self.enter_forward, POST_FORWARD: self.leave_forward,
             PRE_BACKWARD: self._on_pre_backward, POST_BACKWARD: self._on_post_backward,
             GRAD_READY: self._on_grad_ready, BACKWARD_END: self._on_backward_end,
             GRAPH_FREED: self._on_graph_freed, FLUSH: lambda ev: self.flush(),
-            FORWARD_FAILED: self._on_forward_failed,
+            FORWARD_FAILED: self._on_forward_failed, DEMAND: self._on_demand,
         }
 
     # ------------------------------------------------------------------ queue
@@ -262,6 +272,7 @@ class Scheduler(BackwardHandlers):
         self.ctx.step = self.pinned_step if self.pinned_step is not None else self.ctx.step + 1
         self.forward = PassState()
         self.forward_open = True
+        self.running.clear()
 
     def _on_forward_end(self, ev: Event) -> None:
         if ev.graph_task != gt.NO_TASK or not self.forward_open:
@@ -322,3 +333,7 @@ class Scheduler(BackwardHandlers):
         for rec in self.records:
             self._step(rec, "reset")
         self.held_outside.clear()
+        self.running.clear()
+        self.staged_grads.clear()
+        self.grad_plans.clear()
+        self.zero_filled.clear()

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from paramfsm.core.fsm import Lifetime
+from paramfsm.engine.default_units import default_unit_names
 from paramfsm.errors import ParamFSMError
 
 
@@ -125,13 +126,15 @@ UnitsArg = None | by_size | Sequence[type] | Sequence[nn.Module] | Callable[[str
 def select_unit_modules(model: nn.Module, units: UnitsArg) -> dict[str, nn.Module]:
     """Qualified name -> module for every unit module, in module order; the root is always a unit.
 
-    ``units`` may be None (every module that directly owns parameters), a
+    ``units`` may be None (every module that directly owns parameters, with the
+    ``torch.nn`` modules that read their children's parameters as one unit each:
+    :mod:`paramfsm.engine.default_units`), a
     :class:`by_size` policy, a sequence of module classes, a sequence of
     module instances, or a predicate ``(qualified_name, module) -> bool``.
     """
     named = list(model.named_modules(remove_duplicate=True))
     if units is None:
-        chosen = {name for name, m in named if any(True for _ in m.parameters(recurse=False))}
+        chosen = default_unit_names(named)
     elif isinstance(units, by_size):
         chosen = units.select(model)
     elif callable(units) and not isinstance(units, (list, tuple)):
@@ -232,7 +235,7 @@ def build_units(model: nn.Module, units: UnitsArg, rank: int, world: int, *, dev
             members[owner].append(rec)
     built = []
     for name, module in unit_modules.items():
-        if members[name]:
+        if members[name] or not name:  # the root always: it may read others' parameters (on_demand)
             built.append(Unit(len(built), name, module, members[name]))
     for unit in built:
         for rec in unit.records:

@@ -59,12 +59,15 @@ def run_catalogue(*, subject: str = SUBJECT, examples: int = 25, seed: int = 0, 
     own_pool = pool is None
     pool = pool or RankPool(world_size)
     try:
-        baseline = verify(subject, world_size=world_size, examples=examples, seed=seed, pool=pool, shrink=False,
-                          canonical_first=canonical_first)
-        if baseline.failure is not None:
-            finding = baseline.failure
-            return (f"the unmutated runtime fails ({finding.kind} at op {finding.op}: "
-                    f"{finding.message.splitlines()[0][:300]})\n{finding.reproduction}"), []
+        # A fault names its own subject when the default one cannot exercise it; each subject's
+        # unmutated baseline must pass first.
+        for each in dict.fromkeys(fault.subject or subject for fault in faults) or (subject,):
+            baseline = verify(each, world_size=world_size, examples=examples, seed=seed, pool=pool, shrink=False,
+                              canonical_first=canonical_first)
+            if baseline.failure is not None:
+                finding = baseline.failure
+                return (f"the unmutated runtime fails on {each} ({finding.kind} at op {finding.op}: "
+                        f"{finding.message.splitlines()[0][:300]})\n{finding.reproduction}"), []
         unsound = [fault.name for fault in faults if fault.trace_scenario is not None and trace_check(fault, None) != 1]
         if unsound:
             return f"the unmutated trace check accepts the bad traces of {', '.join(unsound)}", []
@@ -75,8 +78,8 @@ def run_catalogue(*, subject: str = SUBJECT, examples: int = 25, seed: int = 0, 
                 killed = trace_check(fault, fault.name) != 1  # the bad trace got through
                 rows.append(Row(fault, killed, 1, time.perf_counter() - start, "trace check" if killed else ""))
                 continue
-            report = verify(subject, world_size=world_size, examples=examples, seed=seed, pool=pool,
-                            fault=fault.name, shrink=False, canonical_first=canonical_first)
+            report = verify(fault.subject or subject, world_size=world_size, examples=examples, seed=seed,
+                            pool=pool, fault=fault.name, shrink=False, canonical_first=canonical_first)
             finding = report.failure
             rows.append(Row(fault, finding is not None, report.examples_to_failure,
                             report.seconds_to_failure if finding else time.perf_counter() - start,
@@ -146,7 +149,8 @@ def main(argv=None) -> int:
         return 1
     print(format_table(rows))
     programs = "drawn programs only" if args.random_only else "the canonical patterns, then drawn programs"
-    print(f"subject {args.subject}, {programs} (at most {args.examples} drawn per fault), seed {args.seed}, "
+    subjects = ", ".join(dict.fromkeys(fault.subject or args.subject for fault in chosen))
+    print(f"subjects {subjects}, {programs} (at most {args.examples} drawn per fault), seed {args.seed}, "
           f"world size {args.world_size}, {time.perf_counter() - start:.0f}s in all; flight-recorder dumps in {dumps}")
     return 0 if all(row.killed for row in rows) else 1
 

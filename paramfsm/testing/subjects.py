@@ -4,6 +4,9 @@ Each function here is a factory: ``paramfsm verify paramfsm.testing.subjects:tin
 ``branchy_lm`` is the model the fault catalogue is checked against: it has
 tied embedding and head weights, and an adapter used only in training mode,
 so an eval-mode forward changes the unit order and leaves a prefetch unused.
+``experts_lm`` is the subject of the catalogue's faults about gradients
+missing on some ranks and reads outside a unit: a mixture of experts routed
+by token id, made one unit, and an output layer tied through ``F.linear``.
 ``once_differentiable_mlp`` has an activation without double backward, so
 plain torch cannot run its gradient penalties: verify rejects those programs.
 """
@@ -122,3 +125,46 @@ class OnceDifferentiableMLP(nn.Module):
 def once_differentiable_mlp() -> Subject:
     """A model-limit subject: verify must reject its gradient-penalty programs, not report them as bugs."""
     return Subject(OnceDifferentiableMLP(), regression_batch, F.mse_loss)
+
+
+class TokenExperts(nn.Module):
+    """A mixture of experts routed by token id (data-dependent: an expert may get no token on a rank)."""
+
+    def __init__(self, experts: int = 8):
+        super().__init__()
+        self.router = nn.Linear(DIM, experts)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        flat, ids = x.reshape(-1, DIM), tokens.reshape(-1) % len(self.experts)
+        gate = F.softmax(self.router(flat), dim=-1)
+        out = flat
+        for i, expert in enumerate(self.experts):
+            rows = (ids == i).nonzero().squeeze(-1)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(flat[rows]) * gate[rows, i:i + 1])
+        return out.reshape(x.shape)
+
+
+class ExpertsLM(nn.Module):
+    """An embedding, a mixture of experts made one unit, and an output layer tied through F.linear in the
+    root's forward (a read outside the embedding's unit, gathered on demand)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.moe = TokenExperts()
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(self.moe(self.embed(tokens), tokens)), self.embed.weight)
+
+
+def experts_lm() -> Subject:
+    """The subject of the catalogue's faults about missing gradients and reads outside a unit."""
+    import warnings
+
+    from paramfsm.engine.on_demand import ReadOutsideUnit
+
+    warnings.filterwarnings("ignore", category=ReadOutsideUnit)  # the read is this subject's point
+    return Subject(ExpertsLM(), token_batch, lm_loss, units=[TokenExperts, nn.Embedding, nn.LayerNorm])

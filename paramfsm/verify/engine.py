@@ -41,6 +41,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import Unsatisfiable
 
 from paramfsm.engine.units import select_unit_modules
+from paramfsm.engine.unsupported import refuse_unsupported
 from paramfsm.launch import RankFailure, RankPool
 from paramfsm.verify.faults import FAULTS
 from paramfsm.verify.mirror import blocks_of
@@ -154,6 +155,7 @@ def probe(factory, seed: int = 0, per_rank: int = 2) -> Shape:
 
     modules = tuple(name for name in attempt("units", lambda: select_unit_modules(subject.model, subject.units))
                     if name)
+    attempt("the model cannot run under paramfsm", lambda: refuse_unsupported(subject.model))
     attempt("the plain-torch reference needs copy.deepcopy(model)", lambda: copy.deepcopy(subject.model))
     inputs, _ = attempt("make_batch", lambda: global_batch(subject, 0, seed, 1, per_rank))
     with torch.no_grad():

@@ -26,6 +26,7 @@ table and ``tests/test_mutants.py`` asserts it.
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Callable, Iterator
 
 import attrs
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from paramfsm.core.spec import State
 from paramfsm.engine import events, executor, graph_task, hooks
 from paramfsm.engine.executor import Executor
+from paramfsm.engine.on_demand import OnDemandHandlers
 from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.engine.scheduler import Scheduler
 from paramfsm.verify.faults.patching import patched as _patched
@@ -60,6 +62,7 @@ class Fault:
     #: For a bug in what ``paramfsm trace check`` reads: a trace made with the bug active that the check must
     #: reject; ``make mutants`` kills such a fault through ``trace check`` instead of verify.
     trace_scenario: Callable[[], list] | None = None
+    subject: str | None = None  # the verify factory that exercises it (None: the catalogue's default)
 
 
 def _preprocess_once_per_process():
@@ -212,6 +215,31 @@ def _recompute_not_gathered():
     return both()
 
 
+def _missing_grads_out_of_order():
+    def make(original):
+        def take_ordered(self, pairs):
+            pairs = list(pairs)  # zeros after the real gradients, where autograd's order would put them
+            original(self, [p for p in pairs if p[1] is not None] + [p for p in pairs if p[1] is None])
+        return take_ordered
+    return _patched(Executor, "take_ordered", make)
+
+
+def _on_demand_never_released():
+    def make(original):
+        def _on_demand(self, ev):
+            reader = self.reading_unit(ev.graph_task)
+            if reader is None:
+                return
+            self._step(ev.record, "demand")  # gathered for the reader, but never borrowed: never released
+            self._issue()
+            self._wait(types.SimpleNamespace(records=(ev.record,)))
+        return _on_demand
+    return _patched(OnDemandHandlers, "_on_demand", make)
+
+
+#: The subject with a mixture of experts made one unit and a read outside a unit.
+EXPERTS = "paramfsm.testing.subjects:experts_lm"
+
 CATALOGUE: tuple[Fault, ...] = (
     Fault("preprocess_once_per_process",
           "pre-backward preprocessing (the unit's fetch) runs once per process, not once per graph task",
@@ -321,6 +349,19 @@ CATALOGUE: tuple[Fault, ...] = (
           "scrolled out of the ring is missing from the dump",
           "NVIDIA/nccl PR #2304 (a ring buffer that loses records silently); paramfsm #28",
           "memory", ring_window_forgets_idle, scrolled_leak_scenario),
+    Fault("missing_grads_out_of_order",
+          "a parameter without a gradient on this rank is reduce-scattered as zeros after the unit's other "
+          "gradients (autograd's order), not in the unit's order, so ranks pair different parameters",
+          "pytorch/pytorch #158719 and PR #174862 (FSDP with parameters used differently across ranks), "
+          "NVIDIA/Megatron-LM PR #2218 (inconsistent gradient reduce ordering across DP ranks)",
+          "correctness", _missing_grads_out_of_order,
+          subject=EXPERTS),
+    Fault("on_demand_never_released",
+          "a parameter gathered for a read outside its module is never released with the module that read it",
+          "DeepSpeed PR #1453 review (a parameter requested outside its module becomes an external parameter; "
+          "registered external parameters are not partitioned after the module finishes), DeepSpeed #930",
+          "memory", _on_demand_never_released,
+          subject=EXPERTS),
 )
 
 FAULTS: dict[str, Fault] = {fault.name: fault for fault in CATALOGUE}

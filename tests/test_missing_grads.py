@@ -1,0 +1,105 @@
+"""Gradients missing on some ranks, on 2 gloo ranks, compared with plain torch on the global batch.
+
+A mixture of experts made one unit (``units=[MoE]``), with data-dependent
+routing: one expert gets tokens on rank 0 only, one on no rank at all. Every
+rank reduce-scatters the unit's parameters in the unit's order, zeros for
+the ones it has no gradient for (see :mod:`paramfsm.engine.grad_order`), so
+the ranks stay paired and the result is plain torch's: the expert no rank
+used keeps ``grad`` None.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from patterns_common import Pair, batch
+from torch import nn
+
+import paramfsm
+from paramfsm import RankDesync
+
+EXPERTS, DIM = 4, 8
+
+
+class MoE(nn.Module):
+    """A router and a ModuleList of experts; each token goes to the expert its id picks."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(DIM, EXPERTS)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(EXPERTS))
+
+    def forward(self, x, ids):
+        gate = F.softmax(self.router(x), dim=-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = (ids == i).nonzero().squeeze(-1)
+            if rows.numel():  # data-dependent: an expert without tokens is not run at all
+                out = out.index_add(0, rows, expert(x[rows]) * gate[rows, i:i + 1])
+        return out
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, DIM)
+        self.moe = MoE()
+        self.out = nn.Linear(DIM, 2)
+
+    def forward(self, x, ids):
+        return self.out(torch.tanh(self.moe(self.inp(x), ids)))
+
+
+def routing(step: int) -> torch.Tensor:
+    """Expert ids of the global batch (4 rows per rank): expert 2 only in rank 0's rows, expert 3 nowhere."""
+    first = [0, 1, 2, 2] if step % 2 == 0 else [2, 0, 0, 1]
+    return torch.tensor(first + [1, 0, 1, 0])
+
+
+def moe_job(rank, world):
+    torch.manual_seed(0)
+    pair = Pair(Net(), rank, world, units=[MoE])
+    unused = []
+    for step in range(3):
+        (x,) = batch(step, world, 4, (4,))
+        ids = routing(step)
+        out, ref_out = pair.model(pair.local(x), pair.local(ids)), pair.ref.model(x, ids)
+        pair.zero_grad()
+        out.pow(2).mean().backward()
+        ref_out.pow(2).mean().backward()
+        pair.check_grads(f"step {step}")
+        unused.append((pair.rt.full_grad("moe.experts.3.weight"), pair.ref.model.moe.experts[3].weight.grad))
+        pair.step(f"step {step}")
+    report = pair.finish()
+    report["unused"] = unused
+    report["units"] = [u.name for u in pair.rt.units]
+    return report
+
+
+def test_moe_one_unit_trains_like_plain_torch(ranks2):
+    """Expert 2 has tokens on rank 0 only: both ranks still send its gradient (zeros on rank 1) and
+    gradients and parameters equal plain torch; expert 3, used by no rank, keeps grad None."""
+    for report in ranks2.run(moe_job):
+        assert report["units"] == ["<root>", "moe"], report["units"]
+        assert all(got is None and want is None for got, want in report["unused"]), report["unused"]
+        assert report["checks"] == 6
+
+
+def skipped_expert_job(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    paramfsm.shard(model, debug=True)  # default units: every expert its own unit
+    (x,) = batch(0, world, 4, (4,))
+    try:
+        model(x[4 * rank:4 * rank + 4], routing(0)[4 * rank:4 * rank + 4]).pow(2).mean().backward()
+    except RankDesync as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_expert_skipped_across_units_names_the_module_to_merge(ranks2):
+    """With every expert its own unit, an expert run on rank 0 only desyncs the ranks' gathers:
+    RankDesync on every rank, whose advice names the mixture-of-experts module to make one unit."""
+    for message in ranks2.run(skipped_expert_job, timeout=60):
+        assert "rank desync" in message, message
+        assert "probably 'moe'" in message and "units=lambda name, module: name == 'moe'" in message, message

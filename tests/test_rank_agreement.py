@@ -1,0 +1,70 @@
+"""Same model on every rank (2 gloo ranks): ``shard()`` refuses different models on every rank, warns
+when the values differ, and ``sync_module_states=True`` starts every rank from rank 0's values
+(compared with plain torch built from rank 0's model)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from patterns_common import Pair, batch
+from torch import nn
+
+import paramfsm
+from paramfsm import ModelMismatch
+from paramfsm.rank_agreement import RanksDiffer
+
+
+def stack(depth: int, width: int = 8) -> nn.Sequential:
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(depth)))
+
+
+def _shard_error(model) -> str:
+    try:
+        rt = paramfsm.shard(model)
+    except ModelMismatch as exc:
+        return str(exc)
+    rt.close()
+    return "no error"
+
+
+def agreement_job(rank, world):
+    torch.manual_seed(0)
+    out = {"depth": _shard_error(stack(3 if rank == 0 else 4)),
+           "width": _shard_error(nn.Sequential(nn.Linear(8, 8 if rank == 0 else 6)))}
+    torch.manual_seed(rank)  # seeded by rank: the same model, different values
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        paramfsm.shard(stack(2)).close()
+    out["differ"] = [str(w.message) for w in caught if issubclass(w.category, RanksDiffer)]
+    torch.manual_seed(0)
+    reference = stack(2)  # rank 0's model, on every rank
+    torch.manual_seed(rank)
+    model = stack(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pair = Pair(model, rank, world, sync_module_states=True)
+    out["synced_warnings"] = [str(w.message) for w in caught if issubclass(w.category, RanksDiffer)]
+    pair.ref.model.load_state_dict(reference.state_dict())
+    pair.ref.optimizer = torch.optim.SGD(pair.ref.model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        (x,) = batch(step, world, 2, (8,))
+        pair.zero_grad()
+        pair.model(pair.local(x)).pow(2).mean().backward()
+        pair.ref.model(x).pow(2).mean().backward()
+        pair.check_grads(f"step {step}")
+        pair.step(f"step {step}")
+    out["report"] = pair.finish()
+    return out
+
+
+def test_ranks_must_hold_the_same_model(ranks2):
+    for rank, out in enumerate(ranks2.run(agreement_job)):
+        other = 1 - rank
+        assert f"rank {rank} and rank {other} hold different models" in out["depth"], out["depth"]
+        assert "'3.weight'" in out["depth"] and "exists only" in out["depth"], out["depth"]
+        assert "parameter '0.weight' has shape" in out["width"], out["width"]
+        assert len(out["differ"]) == 1 and "sync_module_states=True" in out["differ"][0], out["differ"]
+        assert "torch.manual_seed" in out["differ"][0]
+        assert out["synced_warnings"] == [], out["synced_warnings"]
+        assert out["report"]["checks"] == 4
