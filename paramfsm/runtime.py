@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from paramfsm import assembly, checkpoint, full_state, grad_norm, teardown
+from paramfsm import accumulation, assembly, checkpoint, full_state, grad_norm, teardown
 from paramfsm.core.spec import State
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine.units import ParamRecord, units_within
@@ -134,6 +134,7 @@ class Runtime:
         (the same on every rank, as every rank runs the same backward).
         """
         rec = self.record(param_or_name)
+        accumulation.require_synced(self, "rt.full_grad()")
         grad = rec.shard.grad
         if grad is None:
             return None
@@ -171,6 +172,7 @@ class Runtime:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the shard gradients; returns the total norm. Collective."""
+        accumulation.require_synced(self, "rt.clip_grad_norm_()")
         with self._reporting():
             return grad_norm.clip_grad_norm_(
                 self.shard_parameters(), max_norm, norm_type, group=self.group, world=self.world,
@@ -201,6 +203,18 @@ class Runtime:
                 loss.backward(retain_graph=retain_graph, create_graph=create_graph, **kwargs)
         finally:
             gt.explicit_keep_graph.pop()
+
+    def no_sync(self):
+        """Context manager: backward passes inside keep full gradients locally (see :mod:`paramfsm.accumulation`)."""
+        return accumulation.no_sync(self)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: backward keeps full gradients locally until sync is on again (FSDP2's switch)."""
+        accumulation.set_requires_gradient_sync(self, requires_gradient_sync)
+
+    def sync_gradients(self) -> None:
+        """Reduce-scatter the gradients kept under ``no_sync`` now. Collective: every rank calls it."""
+        accumulation.sync_gradients(self)
 
     def flush(self) -> None:
         """Return every deferred parameter to NOT_AVAILABLE now.

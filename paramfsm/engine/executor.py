@@ -29,6 +29,7 @@ import torch
 from paramfsm.engine import kernels, placeholder, rankcheck
 from paramfsm.engine.collectives import DEFAULT_TIMEOUT_S, reduce_scatter_flat, waiter
 from paramfsm.engine.gathers import PERSISTENT_BYTES, Gathers
+from paramfsm.engine.grad_sync import UnsyncedGrads
 from paramfsm.engine.inflight import Counters
 from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.engine.streams import REDUCE, HostStreams
@@ -67,6 +68,7 @@ class Executor(Gathers):
         self.reduce_dtype = reduce_dtype
         self.bucket_bytes = bucket_bytes
         self.counters = Counters()
+        self.unsynced = UnsyncedGrads(self)  # gradients kept under rt.no_sync (paramfsm.engine.grad_sync)
         self._empty: dict[tuple, torch.Tensor] = {}
         self._grads: list = []  # (record, grad) waiting for the next reduce bucket
         self._grad_bytes = 0
@@ -127,6 +129,7 @@ class Executor(Gathers):
     # ------------------------------------------------------------------ reduce
     def take_grad(self, records) -> None:
         """The reduce_grad effect: move each ``param.grad`` into the pending reduce bucket."""
+        unsynced = self.unsynced
         for rec in records:
             grad = real_grad(rec.param)
             if grad is None:
@@ -134,17 +137,24 @@ class Executor(Gathers):
             set_real_grad(rec.param, None)
             owned = not grad.requires_grad
             grad = grad if owned else grad.detach()
-            if self.local:
-                self._accumulate(rec, grad.reshape(-1))
-                continue
-            size = grad.numel() * grad.element_size()
-            if size >= self.bucket_bytes:  # a bucket of its own: see [Note: a big gradient is reduced in place]
-                self._reduce([(rec, grad if owned else grad.clone())])
-                continue
-            self._grads.append((rec, grad))
-            self._grad_bytes += size
-            if self._grad_bytes >= self.bucket_bytes:
-                self.flush_grads()
+            if unsynced:
+                folded = unsynced.fold(rec, grad)  # the micro-batches kept under rt.no_sync, summed
+                grad, owned = folded, owned or folded is not grad
+            self.queue_grad(rec, grad, owned)
+
+    def queue_grad(self, rec, grad, owned: bool) -> None:
+        """Add one full gradient to the pending reduce bucket (``owned``: referenced nowhere else)."""
+        if self.local:
+            self._accumulate(rec, grad.reshape(-1))
+            return
+        size = grad.numel() * grad.element_size()
+        if size >= self.bucket_bytes:  # a bucket of its own: see [Note: a big gradient is reduced in place]
+            self._reduce([(rec, grad if owned else grad.clone())])
+            return
+        self._grads.append((rec, grad))
+        self._grad_bytes += size
+        if self._grad_bytes >= self.bucket_bytes:
+            self.flush_grads()
 
     def flush_grads(self) -> None:
         """Issue one async reduce-scatter for every pending gradient."""
@@ -181,6 +191,7 @@ class Executor(Gathers):
         reduces, self._reduces = self._reduces, []
         for reduce in reduces:
             self._complete(reduce)
+        self.unsynced.settled()
 
     def _issue_reduce(self, layout, dtype, grads) -> tuple:
         """Reduce-lane work: pack and pre-divide the gradients, issue the reduce-scatter.
@@ -238,6 +249,7 @@ class Executor(Gathers):
         reduces, self._reduces = self._reduces, []
         for ticket, records, _ in reduces:
             self._join_reduce(ticket, records)
+        self.unsynced.interrupted()
 
     @staticmethod
     def _accumulate(rec, flat_grad) -> None:

@@ -84,7 +84,11 @@ class Scheduler(BackwardHandlers):
             "defer": self._defer_all,
             "undefer": self._undefer_all,
             "reduce_grad": executor.take_grad,
+            "keep_grad": executor.unsynced.keep,
+            "sync_grad": executor.unsynced.sync,
         }
+        # Off under rt.no_sync(): gradients are kept, not reduce-scattered (paramfsm.engine.grad_sync).
+        self.sync_grads = True
         self._handlers = {
             FORWARD_BEGIN: self._on_forward_begin, FORWARD_END: self._on_forward_end,
             PRE_FORWARD: self._on_pre_forward, POST_FORWARD: self._on_post_forward,
