@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from paramfsm import full_state, optim
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
-from paramfsm.engine import hooks, partitioned
+from paramfsm.engine import hooks, partitioned, reshard
 from paramfsm.engine.collectives import resolve_group, resolve_mesh, timeout_s
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.flight import FlightRecorder, make_trace
@@ -59,6 +59,21 @@ def check_arguments(model: nn.Module, group, retain: str, prefetch: int, collect
     except ValueError as exc:
         raise ParamFSMError(str(exc)) from None
     return group, replicate_group, limit
+
+
+def check_reshard_policy(policy) -> None:
+    if not (isinstance(policy, bool) or callable(policy)):
+        raise ParamFSMError(f"reshard_after_forward={policy!r}: expected True, False or a predicate "
+                            "(name, module) -> bool")
+
+
+def apply_reshard_policy(rt, policy) -> None:
+    """Resolve ``reshard_after_forward`` per unit; a predicate that fails hands the model back first."""
+    try:
+        rt.scheduler.keep_after_forward = reshard.kept_units(rt.units, policy)
+    except BaseException:
+        rt.close()
+        raise
 
 
 def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,

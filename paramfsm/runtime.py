@@ -24,7 +24,7 @@ from paramfsm.errors import ParamFSMError
 def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
           prefetch: int = 1, trace=False, spec=None, *, strict: bool = False,
           bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False,
-          collective_timeout: float | None = None, mesh=None) -> "Runtime":
+          collective_timeout: float | None = None, mesh=None, reshard_after_forward=True) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
     ``units``: None (every module owning parameters directly), module classes,
@@ -57,12 +57,20 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     sharded along the shard dimension and replicated along the other; gradients
     are reduce-scattered within the shard group, then all-reduced across
     replicas (averaged over every rank, like plain torch on the global batch).
+    ``reshard_after_forward``: True releases each unit after its forward (gathered
+    again in backward); False keeps every unit gathered from its forward to its
+    backward (one all-gather per unit per step, more memory); a predicate
+    ``(name, module) -> bool`` decides per unit (``""`` is the root). See
+    :mod:`paramfsm.engine.reshard`.
     """
     group, replicate_group, limit = assembly.check_arguments(model, group, retain, prefetch,
                                                              collective_timeout, mesh)
-    return Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-                   bucket_bytes, param_dtype, reduce_dtype, debug, limit,
-                   mesh if replicate_group is not None else None, replicate_group)
+    assembly.check_reshard_policy(reshard_after_forward)
+    rt = Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
+                 bucket_bytes, param_dtype, reduce_dtype, debug, limit,
+                 mesh if replicate_group is not None else None, replicate_group)
+    assembly.apply_reshard_policy(rt, reshard_after_forward)
+    return rt
 
 
 class Runtime:

@@ -85,6 +85,8 @@ class BackwardHandlers:
         ts.open[unit] = ts.open.get(unit, 0) + 1
         planned = ts.depth == 0 and self.planning
         self.fetch(unit, self.bwd_plan if planned else None, ts.passes if planned else None)
+        if self.forward_holds and self.forward_holds.pop(id(ev.call), None) is not None:
+            self.release(unit, False)  # the backward holds it now: [Note: a forward's hold kept for its backward]
         holds = ts.grad_holds
         waiting = [rec for rec in unit.records if rec.requires_grad and rec not in holds]
         for rec in waiting:
@@ -180,6 +182,8 @@ class BackwardHandlers:
 
     def _on_graph_freed(self, ev: Event) -> None:
         unit = ev.unit
+        if self.forward_holds and self.forward_holds.pop(ev.call, None) is not None:
+            self.release(unit, False)  # no backward came: [Note: a forward's hold kept for its backward]
         unit.live_graphs -= 1
         if unit.live_graphs > 0:
             return

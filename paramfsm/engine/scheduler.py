@@ -63,6 +63,10 @@ class Scheduler(BackwardHandlers):
         # One rank gathers nothing over the wire: buckets and prefetch would only add steps.
         self.planning = executor.world > 1
         self.held_outside: dict = {}  # unit -> holds taken by rt.gathered
+        # reshard_after_forward: units whose forward hold is kept for their backward, and those holds
+        # (id of the forward call -> unit); see [Note: a forward's hold kept for its backward].
+        self.keep_after_forward: frozenset = frozenset()
+        self.forward_holds: dict = {}
         self.tasks_begun = 0
         self.last_audit: list = []
         self.closed = False
@@ -215,6 +219,12 @@ class Scheduler(BackwardHandlers):
     def release(self, unit, keep_graph: bool) -> None:
         self._step_all(unit.records, "release", keep_graph and self.defer_allowed)
 
+    def release_forward_holds(self) -> None:
+        """Release every forward hold kept for a backward (see [Note: a forward's hold kept for its backward])."""
+        holds, self.forward_holds = self.forward_holds, {}
+        for unit in holds.values():
+            self.release(unit, False)
+
     def _abandon(self, plan: Plan, passes: PassState) -> None:
         """Drop prefetched parameters nobody fetched in a pass that ended."""
         for bucket in passes.issued:
@@ -263,6 +273,8 @@ class Scheduler(BackwardHandlers):
         if partitioned.REQUIRES_GRAD_CHANGED:
             partitioned.apply_requires_grad_changes(self._records, self.emit)
         self.flush()
+        if self.forward_holds:
+            self.release_forward_holds()
         self.ctx.step = self.pinned_step if self.pinned_step is not None else self.ctx.step + 1
         self.forward = PassState()
         self.forward_open = True
@@ -288,10 +300,14 @@ class Scheduler(BackwardHandlers):
         self.fetch(ev.unit, self.fwd_plan if planned else None, self.forward if planned else None)
 
     def _on_post_forward(self, ev: Event) -> None:
-        if ev.call is not None:
+        call = ev.call
+        if call is not None:
             ev.unit.live_graphs += 1
         if ev.graph_task == gt.NO_TASK:
-            self.release(ev.unit, False)
+            if call is not None and ev.unit in self.keep_after_forward:
+                self.forward_holds[id(call)] = ev.unit  # [Note: a forward's hold kept for its backward]
+            else:
+                self.release(ev.unit, False)
         # A recomputation keeps its hold until the unit's backward: see [Note: a forward recomputed ...].
 
     # ---------------------------------------------------------------- called by the runtime
@@ -322,6 +338,7 @@ class Scheduler(BackwardHandlers):
         self._ready_task = None
         self.tasks.clear()
         self.forward_open = False
+        self.forward_holds.clear()
         self.executor.abort_reduces()
         for rec in self.records:
             self._step(rec, "reset")
