@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import full_state, optim
+from paramfsm import full_state, memory, optim
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
 from paramfsm.engine import hooks, partitioned, reshard
@@ -106,6 +106,7 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
                              trace=rt.trace if recording else None, strict=strict)
     rt.flight = FlightRecorder(rt.trace if recording else None, rt.scheduler.ctx)
     rt.scheduler.on_failure = rt.flight.failed
+    rt.flight.memory = lambda: memory.describe(memory.memory(rt))
     rt.executor.ctx = rt.scheduler.ctx
     rt.executor.unit_names = full_state.collective_names(rt.units, records)
     if debug:

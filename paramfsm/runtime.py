@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from paramfsm import accumulation, assembly, checkpoint, full_state, grad_norm, teardown
+from paramfsm import accumulation, assembly, checkpoint, full_state, grad_norm, memory, teardown
 from paramfsm.core.spec import State
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine.units import ParamRecord, units_within
@@ -114,6 +114,11 @@ class Runtime:
     @property
     def deferred_bytes(self) -> int:
         return self.scheduler.deferred_bytes
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held now, by kind (shards, gathered parameters, unsynchronised gradients, ...): see
+        :mod:`paramfsm.memory`."""
+        return memory.memory(self)
 
     @property
     def counters(self) -> dict[str, int]:

@@ -60,6 +60,7 @@ def accumulation_job(rank, world):
     _micro_batches(pair, 2, K, sync_last=False)
     pair.assert_states(State.NOT_AVAILABLE, what="between micro-batches")
     out["kept_bytes"] = rt.executor.unsynced.nbytes
+    out["memory"] = rt.memory()
     try:
         pair.opt.step()
     except UnsyncedGradients as exc:
@@ -124,7 +125,11 @@ def test_no_sync_matches_plain_torch_with_one_reduce_scatter_per_bucket(ranks2):
         assert out["no_sync"] == per, f"rank {rank}: K micro-batches under no_sync cost {out['no_sync']} " \
                                       f"reduce-scatters, one optimizer step should cost {per}"
         assert out["explicit_sync"] == per and out["two_losses"] == per, out
-        assert out["kept_bytes"] > 0
+        full_bytes = 4 * sum(p.numel() for p in mlp(width=8, depth=3, d_in=4, d_out=3).parameters())
+        assert out["kept_bytes"] == full_bytes, out  # one full fp32 gradient per parameter
+        held = out["memory"]
+        assert held["unsynced_grads"] == full_bytes and held["gathered"] == held["deferred"] == 0, held
+        assert held["shards"] >= full_bytes // 2 and held["shard_grads"] == held["shards"], held
         for key in ("step_error", "clip_error", "close_error"):
             assert "not synchronised" in out.get(key, "") and f"rank {rank}" in out[key], (key, out)
         assert "rt.sync_gradients()" in out["step_error"] and "parameter '" in out["step_error"], out["step_error"]

@@ -35,6 +35,7 @@ def reshard_job(rank, world, policy):
         mark = len(rt.trace.records)
         got = pair.model(pair.local(x))
         out["kept"] = sorted(n for n, s in rt.states().items() if s is not na)
+        out["gathered_bytes"] = rt.memory()["gathered"]
         F.mse_loss(got, pair.local(y)).backward()
         out["backward_gathers"].append(_backward_gathers(rt.trace.records, mark))
         F.mse_loss(pair.ref.model(x), y).backward()
@@ -83,6 +84,7 @@ def test_reshard_after_forward_matches_plain_torch(ranks2, policy):
         if policy == "keep":
             assert out["kept"] == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"], out
             assert gathers == [0, 0, 0], f"a unit kept from forward to backward was gathered again: {out}"
+            assert out["gathered_bytes"] == 4 * (8 * 4 + 8 + 8 * 8 + 8 + 3 * 8 + 3), out
         elif policy == "keep_last":
             assert out["kept"] == ["4.bias", "4.weight"], out
             assert all(0 < g for g in gathers), out
