@@ -158,13 +158,13 @@ def root_job(rank, world, name: str, by_size: bool, keep_root: bool, steps: int)
         elif i > 2:
             times.append(time.perf_counter() - start)
     gathers = (rt.counters["all_gathers"] - before) / steps
-    root = sum(p.numel() for p in model.parameters(recurse=False))
+    root = sum(rec.numel for unit in rt.units if unit.module is model for rec in unit.records)
     rt.close()
     return statistics.median(times), gathers, root
 
 
 def print_root(args) -> None:
-    print(f"\n{'model, units':<34}{'root params':>12}{'resharded ms':>14}{'root kept ms':>14}{'kept/resh':>11}"
+    print(f"\n{'model, units':<34}{'root unit':>12}{'resharded ms':>14}{'root kept ms':>14}{'kept/resh':>11}"
           f"{'AG/step':>9}{'AG kept':>9}")
     with RankPool(2) as two:
         for name in args.models:
@@ -196,7 +196,8 @@ def main(argv=None) -> int:
           f"{'vs FSDP2':>10}{'peak MiB':>10}{'vs FSDP2':>10}")
     for name in args.models:
         for way in WAYS:
-            twin = "FSDP2 " + {"pfsm sync": "sync", "pfsm no_sync": "no-sync"}.get(way, "no-sync keep")
+            twin = way if way.startswith("FSDP2") else "FSDP2 " + {"pfsm sync": "sync", "pfsm no_sync": "no-sync"}.get(
+                way, "no-sync keep")
             for (k, seconds, per_step, peak), (_, base_s, _, base_peak) in zip(results[name, way],
                                                                               results[name, twin]):
                 print(f"({name})  {way:<20}{k:>3}{per_step['reduce_scatters']:>9.1f}"

@@ -96,3 +96,40 @@ def test_reshard_after_forward_matches_plain_torch(ranks2, policy):
 def test_a_bad_reshard_policy_is_refused():
     with pytest.raises(paramfsm.ParamFSMError, match="reshard_after_forward"):
         paramfsm.shard(mlp(), reshard_after_forward="no")
+
+
+class RootOwned(torch.nn.Module):
+    """A root that owns a parameter of its own (its unit is the root unit), around one Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+        self.inner = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.inner(x * self.scale)
+
+
+def root_job(rank, world, reshard_root):
+    torch.manual_seed(0)
+    policy = (lambda name, module: True) if reshard_root else True
+    pair = Pair(RootOwned(), rank, world, reshard_after_forward=policy)
+    x, y = batch(0, world, 2, (4,), (3,))
+    pair.zero_grad()
+    mark = len(pair.rt.trace.records)
+    got = pair.model(pair.local(x))
+    kept = sorted(n for n, s in pair.rt.states().items() if s is not State.NOT_AVAILABLE)
+    F.mse_loss(got, pair.local(y)).backward()
+    F.mse_loss(pair.ref.model(x), y).backward()
+    pair.check_grads("root-owned parameter")
+    gathered = sorted({r.param for r in pair.rt.trace.records[mark:]
+                       if r.graph_task >= 0 and "start_gather" in r.effects})
+    pair.finish()
+    return kept, gathered
+
+
+def test_the_root_unit_is_kept_by_default(ranks2):
+    for kept, gathered in ranks2.run(root_job, False):
+        assert kept == ["scale"] and "scale" not in gathered and "inner.weight" in gathered, (kept, gathered)
+    for kept, gathered in ranks2.run(root_job, True):
+        assert kept == [] and "scale" in gathered, (kept, gathered)
