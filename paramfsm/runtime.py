@@ -57,12 +57,12 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     sharded along the shard dimension and replicated along the other; gradients
     are reduce-scattered within the shard group, then all-reduced across
     replicas (averaged over every rank, like plain torch on the global batch).
-    ``reshard_after_forward``: True releases each unit but the root after its
-    forward (gathered again in backward; the root, whose backward comes first,
-    stays gathered, as in FSDP2); False keeps every unit gathered from its
-    forward to its backward (one all-gather per unit per step, more memory); a
-    predicate ``(name, module) -> bool`` decides per unit (``""`` is the root).
-    See :mod:`paramfsm.engine.reshard`.
+    ``reshard_after_forward``: True releases every unit after its forward, the
+    root included (gathered again in backward); False keeps every unit gathered
+    from its forward to its backward (one all-gather per unit per step, more
+    memory); a predicate ``(name, module) -> bool`` decides per unit (``""`` is
+    the root: ``lambda name, module: name != ""`` keeps only the root, FSDP2's
+    default). See :mod:`paramfsm.engine.reshard`.
     """
     group, replicate_group, limit = assembly.check_arguments(model, group, retain, prefetch,
                                                              collective_timeout, mesh)

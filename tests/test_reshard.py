@@ -112,7 +112,7 @@ class RootOwned(torch.nn.Module):
 
 def root_job(rank, world, reshard_root):
     torch.manual_seed(0)
-    policy = (lambda name, module: True) if reshard_root else True
+    policy = True if reshard_root else (lambda name, module: name != "")
     pair = Pair(RootOwned(), rank, world, reshard_after_forward=policy)
     x, y = batch(0, world, 2, (4,), (3,))
     pair.zero_grad()
@@ -124,12 +124,19 @@ def root_job(rank, world, reshard_root):
     pair.check_grads("root-owned parameter")
     gathered = sorted({r.param for r in pair.rt.trace.records[mark:]
                        if r.graph_task >= 0 and "start_gather" in r.effects})
+    held = pair.model(pair.local(x))  # kept for a backward that never comes, across an optimizer step
+    pair.step("root-owned parameter")
+    with pair.rt.gathered():
+        seen = pair.model.scale.detach().clone()
+    stale = (seen - pair.rt.full_param("scale")).abs().max().item()
+    del held
     pair.finish()
-    return kept, gathered
+    return kept, gathered, stale
 
 
-def test_the_root_unit_is_kept_by_default(ranks2):
-    for kept, gathered in ranks2.run(root_job, False):
+def test_the_root_unit_is_kept_on_request_and_resharded_by_default(ranks2):
+    for kept, gathered, stale in ranks2.run(root_job, False):
         assert kept == ["scale"] and "scale" not in gathered and "inner.weight" in gathered, (kept, gathered)
-    for kept, gathered in ranks2.run(root_job, True):
-        assert kept == [] and "scale" in gathered, (kept, gathered)
+        assert stale == 0, "rt.gathered() showed the copy a forward kept from before the optimizer step"
+    for kept, gathered, stale in ranks2.run(root_job, True):
+        assert kept == [] and "scale" in gathered and stale == 0, (kept, gathered, stale)

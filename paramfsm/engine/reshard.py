@@ -21,17 +21,19 @@ the parameter AVAILABLE). It is released:
   is only an optimisation);
 * by ``rt.reset()`` and the recovery after an interrupted forward or backward.
 
-[Note: the root is kept by default]
-The root unit's backward is the first of every backward, so its re-gather can
-never be prefetched behind other work: the step waits for it. FSDP2 keeps the
-root unsharded after forward for that reason, and so does paramfsm by default.
-``benchmarks/accumulation.py --root`` measured it on this project's machine
-(world 2): where the root owns parameters (the tiny model under
-``units=by_size(1 MiB)``, whose root unit is the whole model) one all-gather
-fewer per step and 0.89x the step time; where it owns none (a unit per layer,
-the usual case) nothing changes. The price is the root unit's full
-parameters alive through the step; ``reshard_after_forward=lambda name,
-module: True`` reshards the root too.
+[Note: the root is resharded too]
+The root unit's backward is the first of every backward, so its re-gather
+cannot be prefetched behind other work; FSDP2 keeps the root unsharded after
+forward for that reason. ``benchmarks/accumulation.py --root`` measured that
+exception on this project's machine (world 2, 2 shared cores): where the root
+owns parameters (the tiny model under ``units=by_size(1 MiB)``, whose root
+unit is the whole model) one all-gather fewer per step and 0.89x the step
+time, within the machine's +-20% swings; where it owns none (a unit per
+layer, tiny and big models, and the big model under ``by_size``) nothing
+changes (1.04x-1.08x, noise). It did not measurably pay off, and it keeps the
+root's full parameters (often the embeddings) alive through the whole step,
+so the default reshards the root like any unit;
+``reshard_after_forward=lambda name, module: name != ""`` keeps it.
 
 A forward that records no graph (``torch.no_grad()``, ``inference_mode``)
 keeps nothing: no backward can come, so the unit is released at its forward's
@@ -42,20 +44,20 @@ backward.
 
 from __future__ import annotations
 
-from paramfsm.engine.units import ROOT
+from paramfsm.engine.units import ROOT  # the root unit's name, given to a predicate as ""
 from paramfsm.errors import ParamFSMError
 
 
 def kept_units(units, policy) -> frozenset:
     """The units not resharded after forward under ``policy``: True, False or ``predicate(name, module)``.
 
-    ``True`` (the default) reshards every unit after its forward except the
-    root unit (see [Note: the root is kept by default]); ``False`` keeps every
+    ``True`` (the default) reshards every unit after its forward, the root
+    included (see [Note: the root is resharded too]); ``False`` keeps every
     unit; a predicate receives each unit's qualified module name (``""`` for
-    the root) and module and returns whether to reshard it (the root included).
+    the root) and module and returns whether to reshard it.
     """
     if policy is True:
-        return frozenset(unit for unit in units if unit.name == ROOT and unit.records)
+        return frozenset()
     if policy is False:
         return frozenset(units)
     if callable(policy):

@@ -314,9 +314,12 @@ class Scheduler(BackwardHandlers):
     def hold(self, unit) -> None:
         """Fetch a unit for use outside forward/backward (rt.gathered).
 
-        Deferred copies may be stale after an optimizer step, so they are
-        flushed first (see [Note: flushing deferred parameters at a new forward]).
+        Deferred copies and units a forward kept for its backward may be stale
+        after an optimizer step, so they are returned first (see [Note: flushing
+        deferred parameters at a new forward]).
         """
+        if self.forward_holds:
+            self.release_forward_holds()
         self.held_outside[unit] = self.held_outside.get(unit, 0) + 1
         for rec in unit.records:
             if rec.state is State.DEFERRED_RELEASE:
