@@ -14,7 +14,9 @@ What it shows: the model built on the meta device (nothing allocated),
 ``paramfsm.shard(..., device=)`` placing only this rank's shards and
 ``rt.init_weights(fn)`` initialising it module by module, the same weights at
 any world size (``--eager`` builds it whole on every rank instead);
-``paramfsm.shard`` with a choice of units, retain policy and mesh; AdamW over ``model.parameters()``; gradient accumulation;
+``paramfsm.shard`` with a choice of units, retain policy and mesh; AdamW over ``model.parameters()``;
+gradient accumulation (``--accum K``: the first K-1 micro-batches under ``rt.no_sync()``, one
+reduce-scatter per step);
 ``rt.clip_grad_norm_``; optional bf16 compute; a sharded DCP checkpoint every
 ``--save-every`` steps and ``--resume`` from the latest; the flight recorder
 (on by default: a failure leaves ``paramfsm-trace-rank*.jsonl`` in ``--out``);
@@ -26,6 +28,7 @@ uninterrupted one would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import time
@@ -45,7 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps to reach (a resumed run counts on)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch")
-    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--accumulate", "--accum", type=int, default=2,
+                        help="micro-batches per optimizer step (all but the last under rt.no_sync(): one "
+                             "reduce-scatter per step)")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--dim", type=int, default=64)
@@ -161,9 +166,11 @@ def main(argv=None) -> int:
         total = 0.0
         for micro in range(args.accumulate):
             tokens = batch(step, micro, args, rank, world, device)
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) / args.accumulate
-            loss.backward()
+            last = micro == args.accumulate - 1
+            with contextlib.nullcontext() if last else rt.no_sync():  # gradients stay local until the last
+                logits = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) / args.accumulate
+                loss.backward()
             total += loss.detach()
         norm = rt.clip_grad_norm_(args.clip) if args.clip > 0 else None
         opt.step()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from paramfsm import optim
+from paramfsm import accumulation, optim
 from paramfsm.engine.collectives import all_reduce_max
 
 
@@ -53,6 +53,7 @@ class GradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         optim.map_optimizer(optimizer)  # unscale the shard gradients, never the placeholders
+        accumulation.require_synced(self.rt, "GradScaler.unscale_()")
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         rt = self.rt
         if rt.world > 1:

@@ -16,10 +16,10 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import full_state, meta, optim, rank_agreement
+from paramfsm import full_state, memory, meta, optim, rank_agreement
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
-from paramfsm.engine import hooks, on_demand, partitioned
+from paramfsm.engine import hooks, on_demand, partitioned, reshard
 from paramfsm.engine.collectives import resolve_group, resolve_mesh, timeout_s
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.flight import FlightRecorder, make_trace
@@ -62,6 +62,21 @@ def check_arguments(model: nn.Module, group, retain: str, prefetch: int, collect
     return group, replicate_group, limit
 
 
+def check_reshard_policy(policy) -> None:
+    if not (isinstance(policy, bool) or callable(policy)):
+        raise ParamFSMError(f"reshard_after_forward={policy!r}: expected True, False or a predicate "
+                            "(name, module) -> bool")
+
+
+def apply_reshard_policy(rt, policy) -> None:
+    """Resolve ``reshard_after_forward`` per unit; a predicate that fails hands the model back first."""
+    try:
+        rt.scheduler.keep_after_forward = reshard.kept_units(rt.units, policy)
+    except BaseException:
+        rt.close()
+        raise
+
+
 def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
              bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh, replicate_group,
              device=None, device_mesh=None, sync_module_states: bool = False) -> None:
@@ -97,6 +112,7 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
                              trace=rt.trace if recording else None, strict=strict)
     rt.flight = FlightRecorder(rt.trace if recording else None, rt.scheduler.ctx)
     rt.scheduler.on_failure = rt.flight.failed
+    rt.flight.memory = lambda: memory.describe(memory.memory(rt))
     rt.executor.ctx = rt.scheduler.ctx
     rt.executor.unit_names = full_state.collective_names(rt.units, records)
     if debug:

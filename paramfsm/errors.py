@@ -124,3 +124,15 @@ class NotGathered(ParamFSMError):
 class ModelMismatch(ParamFSMError):
     """The ranks hold models with different parameters (names, shapes, dtypes or tying); raised by
     ``paramfsm.shard`` on every rank (see :mod:`paramfsm.rank_agreement`)."""
+
+
+class UnsyncedGradients(ParamFSMError):
+    """Something needs the synchronised gradients while this rank still holds unsynchronised ones.
+
+    Raised by an optimizer step, ``rt.clip_grad_norm_``, a GradScaler's ``unscale_``, ``rt.full_grad``
+    and ``rt.close()`` after backward passes under ``rt.no_sync()`` (see :mod:`paramfsm.engine.grad_sync`).
+    """
+
+    def __init__(self, *, param: str, unit: str, rank: int, what: str, detail: str):
+        self.param, self.unit, self.rank, self.what = param, unit, rank, what
+        super().__init__(f"{what}: the gradient of parameter '{param}' (unit '{unit}', rank {rank}) {detail}")

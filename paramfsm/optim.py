@@ -40,6 +40,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from paramfsm.accumulation import refuse_step
+from paramfsm.engine.grad_sync import UNSYNCED
 from paramfsm.engine.partitioned import OWNERS, record_of
 from paramfsm.errors import ParamFSMError
 
@@ -65,6 +67,8 @@ def install(shards=()) -> None:
 
 
 def _before_step(optimizer, args, kwargs) -> None:
+    if UNSYNCED:  # gradients kept under rt.no_sync are never stepped (paramfsm.accumulation)
+        refuse_step(optimizer)
     seen = _MAPPED.get(optimizer)
     if seen is not None and seen[:2] == (_generation, len(optimizer.param_groups)):
         if seen[2]:

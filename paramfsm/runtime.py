@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from paramfsm import assembly, checkpoint, full_state, grad_norm, materialize, teardown
+from paramfsm import accumulation, assembly, checkpoint, full_state, grad_norm, materialize, memory, teardown
 from paramfsm.core.spec import State
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine.units import ParamRecord, units_within
@@ -25,7 +25,7 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
           prefetch: int = 1, trace=False, spec=None, *, strict: bool = False,
           bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False,
           collective_timeout: float | None = None, mesh=None, device=None,
-          sync_module_states: bool = False) -> "Runtime":
+          sync_module_states: bool = False, reshard_after_forward=True) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
     ``units``: None (every module owning parameters directly), module classes,
@@ -58,18 +58,30 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     sharded along the shard dimension and replicated along the other; gradients
     are reduce-scattered within the shard group, then all-reduced across
     replicas (averaged over every rank, like plain torch on the global batch).
-          collective_timeout: float | None = None, mesh=None, device=None) -> "Runtime":
     ``device``: where the shards of a model built on the meta device go (default:
     the current CUDA device when CUDA is available, else the CPU); its values are
     then set by :meth:`Runtime.init_weights` or a load (see :mod:`paramfsm.meta`).
     A model off the meta device keeps its own device, and ``device`` must agree with it.
+    ``sync_module_states``: broadcast rank 0's parameters and buffers before
+    sharding. Every call checks that all ranks hold the same model (one small
+    collective, :mod:`paramfsm.rank_agreement`): different parameters raise
+    ``ModelMismatch``, different values warn ``RanksDiffer``.
+    ``reshard_after_forward``: True releases every unit after its forward, the
+    root included (gathered again in backward); False keeps every unit gathered
+    from its forward to its backward (one all-gather per unit per step, more
+    memory); a predicate ``(name, module) -> bool`` decides per unit (``""`` is
+    the root: ``lambda name, module: name != ""`` keeps only the root, FSDP2's
+    default). See :mod:`paramfsm.engine.reshard`.
     """
     group, replicate_group, limit = assembly.check_arguments(model, group, retain, prefetch,
                                                              collective_timeout, mesh)
-    return Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-                   bucket_bytes, param_dtype, reduce_dtype, debug, limit,
-                   mesh if replicate_group is not None else None, replicate_group, device, mesh,
-                   sync_module_states=sync_module_states)
+    assembly.check_reshard_policy(reshard_after_forward)
+    rt = Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
+                 bucket_bytes, param_dtype, reduce_dtype, debug, limit,
+                 mesh if replicate_group is not None else None, replicate_group, device, mesh,
+                 sync_module_states=sync_module_states)
+    assembly.apply_reshard_policy(rt, reshard_after_forward)
+    return rt
 
 
 class Runtime:
@@ -114,6 +126,11 @@ class Runtime:
     def deferred_bytes(self) -> int:
         return self.scheduler.deferred_bytes
 
+    def memory(self) -> dict[str, int]:
+        """Bytes held now, by kind (shards, gathered parameters, unsynchronised gradients, ...): see
+        :mod:`paramfsm.memory`."""
+        return memory.memory(self)
+
     @property
     def counters(self) -> dict[str, int]:
         return self.executor.counters.as_dict()
@@ -141,6 +158,7 @@ class Runtime:
         (the same on every rank, as every rank runs the same backward).
         """
         rec = self.record(param_or_name)
+        accumulation.require_synced(self, "rt.full_grad()")
         grad = rec.shard.grad
         if grad is None:
             return None
@@ -187,6 +205,7 @@ class Runtime:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the shard gradients; returns the total norm. Collective."""
+        accumulation.require_synced(self, "rt.clip_grad_norm_()")
         with self._reporting():
             return grad_norm.clip_grad_norm_(
                 self.shard_parameters(), max_norm, norm_type, group=self.group, world=self.world,
@@ -217,6 +236,18 @@ class Runtime:
                 loss.backward(retain_graph=retain_graph, create_graph=create_graph, **kwargs)
         finally:
             gt.explicit_keep_graph.pop()
+
+    def no_sync(self):
+        """Context manager: backward passes inside keep full gradients locally (see :mod:`paramfsm.accumulation`)."""
+        return accumulation.no_sync(self)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: backward keeps full gradients locally until sync is on again (FSDP2's switch)."""
+        accumulation.set_requires_gradient_sync(self, requires_gradient_sync)
+
+    def sync_gradients(self) -> None:
+        """Reduce-scatter the gradients kept under ``no_sync`` now. Collective: every rank calls it."""
+        accumulation.sync_gradients(self)
 
     def flush(self) -> None:
         """Return every deferred parameter to NOT_AVAILABLE now.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from paramfsm import full_state
+from paramfsm import accumulation, full_state
 from paramfsm.assembly import PARTITIONED, SHARDED
 from paramfsm.engine import hooks, partitioned, placeholder
 
@@ -25,6 +25,7 @@ def remove_hooks(rt) -> None:
 def _forget(rt) -> None:
     """Stop the scheduler and trace and drop the model from the registries."""
     rt.scheduler.closed = True
+    rt.executor.unsynced.drop()
     rt.trace.close()
     SHARDED.pop(rt.model, None)
     for rec in rt._by_id.values():
@@ -43,6 +44,7 @@ def close(rt) -> nn.Module:
     """All-gather every parameter and gradient, restore them as plain tensors, remove every hook."""
     if rt.scheduler.closed:
         return rt.model
+    accumulation.require_synced(rt, "rt.close()")  # it would hand back a partial .grad
     rt.flush()
     with rt._reporting():
         fulls = {id(rec): full_state.gather(rt, rec, rec.shard) for rec in rt._by_id.values()}

@@ -52,7 +52,7 @@ def scaler_job(rank, world, pattern, steps=20):
     scaler = paramfsm.amp.GradScaler(rt, **SCALER)
     ref_scaler = torch.amp.GradScaler("cpu", **SCALER)
     scales, ref_scales, owners = [], [], []
-    micro = 2 if pattern == "accumulate" else 1
+    micro = 2 if pattern in ("accumulate", "accumulate_no_sync") else 1
     for step in range(steps):
         opt.zero_grad()
         ref_opt.zero_grad()
@@ -67,6 +67,10 @@ def scaler_job(rank, world, pattern, steps=20):
                 scaler.scale(l2).backward()
                 ref_scaler.scale(r1).backward(retain_graph=True)
                 ref_scaler.scale(r2).backward()
+            elif pattern == "accumulate_no_sync" and m < micro - 1:
+                with rt.no_sync():  # one reduce-scatter per step: the last micro-batch's backward
+                    scaler.scale(F.mse_loss(out, _local(y, rank, world)) / micro).backward()
+                ref_scaler.scale(F.mse_loss(ref_out, y) / micro).backward()
             else:
                 scaler.scale(F.mse_loss(out, _local(y, rank, world)) / micro).backward()
                 ref_scaler.scale(F.mse_loss(ref_out, y) / micro).backward()
@@ -90,7 +94,7 @@ def scaler_job(rank, world, pattern, steps=20):
     return scales, ref_scales, owners, err, finite
 
 
-@pytest.mark.parametrize("pattern", ["one_loss", "two_losses", "accumulate"])
+@pytest.mark.parametrize("pattern", ["one_loss", "two_losses", "accumulate", "accumulate_no_sync"])
 def test_skip_decisions_and_scales_match_plain_torch_on_2_ranks(ranks2, pattern):
     results = ranks2.run(scaler_job, pattern)
     scales, ref_scales, owners, _, _ = results[0]

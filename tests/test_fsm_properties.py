@@ -40,8 +40,8 @@ NA, INFLIGHT, AVAILABLE, DEFERRED = State.NOT_AVAILABLE, State.INFLIGHT, State.A
 LIFECYCLE = {
     NA: ("fetch", "prefetch"),
     INFLIGHT: ("arrive", "fetch", "abandon"),
-    AVAILABLE: ("release", "release", "fetch", "grad_ready", "abandon"),
-    DEFERRED: ("fetch", "flush", "graph_freed", "grad_ready"),
+    AVAILABLE: ("release", "release", "fetch", "grad_ready", "grad_kept", "abandon"),
+    DEFERRED: ("fetch", "flush", "graph_freed", "grad_ready", "grad_kept", "grad_sync"),
 }
 
 
@@ -53,6 +53,7 @@ class Facts:
     gathered: bool = False  # a gather was started and its memory is not freed yet
     pending: bool = False  # that gather has not been unpacked (or discarded) yet
     deferred: bool = False  # kept for a retained graph
+    unsynced: bool = False  # a gradient kept under no_sync waits for its one reduce-scatter
 
     @property
     def full(self) -> bool:
@@ -64,7 +65,7 @@ class Facts:
             return True
         if event == "release":
             return self.holds == 0 or not self.full
-        if event == "grad_ready":
+        if event in ("grad_ready", "grad_kept"):
             return not self.full
         if event == "arrive":
             return not self.pending
@@ -96,6 +97,12 @@ class Facts:
                 self.deferred = False
             elif effect == "reduce_grad":
                 assert self.full, "reduce_grad without the full parameter"
+                self.unsynced = False  # the kept gradient is folded into this reduce-scatter
+            elif effect == "keep_grad":
+                assert self.full, "keep_grad without the full parameter"
+                self.unsynced = True
+            elif effect == "sync_grad":
+                self.unsynced = False
 
     def agrees_with(self, rec: fsm.Lifetime) -> None:
         """The record's state and holds must be what these facts imply."""
@@ -171,7 +178,8 @@ class LifetimeMachine(RuleBasedStateMachine):
         assert isinstance(effects, tuple) and set(effects) <= EFFECTS, effects
         if len(self.trace) == n_records:  # an ignore row
             assert effects == () and (rec.state, rec.holds) == (src, holds), "an ignored event changed something"
-            assert event not in ("fetch", "demand", "release", "arrive", "grad_ready"), f"{event} in {src.name} was ignored"
+            assert event not in ("fetch", "demand", "release", "arrive", "grad_ready", "grad_kept", "grad_sync"), \
+                f"{event} in {src.name} was ignored"
         else:
             last = self.trace.records[-1]
             assert (last.param, last.unit, last.event, last.src, last.dst, last.effects, last.holds) == (
@@ -197,6 +205,9 @@ class LifetimeMachine(RuleBasedStateMachine):
             assert dst is NA, f"{event} must leave {rec.name} NOT_AVAILABLE"
         if event == "arrive":
             assert dst is AVAILABLE and effects == ("unpack",)
+        if event in ("grad_ready", "grad_kept", "grad_sync"):
+            want = {"grad_ready": "reduce_grad", "grad_kept": "keep_grad", "grad_sync": "sync_grad"}[event]
+            assert dst is src and effects == (want,), f"{event} must only move the gradient ({effects})"
 
     @invariant()
     def every_parameter_agrees(self):

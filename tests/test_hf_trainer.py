@@ -263,3 +263,36 @@ def test_save_model_keeps_full_tensors_only_where_they_are_written(ranks2, each_
         if writes:
             assert "model.safetensors" in written and err == 0.0, (rank, written, err)
     assert results[0][1] == results[1][1], "one shared folder, or two node folders with the same files"
+
+
+ACCUMULATE = {"gradient_accumulation_steps": 2, "save_strategy": "no"}
+
+
+def accumulation_job(rank, world):
+    """One sample per rank per micro-batch, two micro-batches per step: the first under no_sync."""
+    with torchrun_env(rank, world), tempfile.TemporaryDirectory() as out:
+        model = build()
+        rt = paramfsm.shard(model)
+        trainer = hf.ShardedTrainer(model=model, args=arguments(out, 1, **ACCUMULATE), train_dataset=dataset(),
+                                    runtime=rt)
+        trainer.train()
+        report = {"logs": logged(trainer), "params": rt.full_state_dict(),
+                  "reduce_scatters": rt.counters["reduce_scatters"]}
+        before = rt.counters["reduce_scatters"]
+        model(PROMPT, labels=PROMPT).loss.backward()  # one synchronised backward: the buckets of one step
+        report["per_backward"] = rt.counters["reduce_scatters"] - before
+        rt.close()
+    return report
+
+
+@pytest.mark.slow
+def test_trainer_accumulation_reduce_scatters_once_per_step(ranks2, ranks1):
+    ours, _ = ranks2.run(accumulation_job)
+    (plain,) = ranks1.run(plain_job, {**ACCUMULATE, "per_device_train_batch_size": WORLD})
+    assert ours["reduce_scatters"] == STEPS * ours["per_backward"], ours["reduce_scatters"]
+    assert len(ours["logs"]) == len(plain["logs"]) == STEPS
+    for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(ours["logs"], plain["logs"])):
+        assert loss == pytest.approx(want_loss, rel=1e-5), f"loss at step {step}"
+        assert norm == pytest.approx(want_norm, rel=1e-4), f"gradient norm at step {step}"
+    for key, want in plain["params"].items():
+        assert torch.allclose(ours["params"][key], want, atol=1e-5), key

@@ -42,7 +42,7 @@ class LeakError(ParamFSMError):
 
 def audit_leaks(scheduler, strict: bool = False) -> list[Leak]:
     """Find leaked parameters; log them (or raise LeakError when ``strict``)."""
-    held = {rec for unit in scheduler.held_outside for rec in unit.records}
+    held = {rec for unit in (*scheduler.held_outside, *scheduler.forward_holds.values()) for rec in unit.records}
     leaks = []
     for rec in scheduler.records:
         state = rec.state

@@ -85,6 +85,8 @@ class BackwardHandlers:
         ts.open[unit] = ts.open.get(unit, 0) + 1
         planned = ts.depth == 0 and self.planning
         self.fetch(unit, self.bwd_plan if planned else None, ts.passes if planned else None)
+        if self.forward_holds and self.forward_holds.pop(id(ev.call), None) is not None:
+            self.release(unit, False)  # the backward holds it now: [Note: a forward's hold kept for its backward]
         holds = ts.grad_holds
         waiting = [rec for rec in unit.records if rec.requires_grad and rec not in holds]
         for rec in waiting:
@@ -133,7 +135,7 @@ class BackwardHandlers:
         self._ready_task = None  # it holds the task's forward calls, which must be free to be collected
         ctx = self.ctx
         current, ctx.graph_task = ctx.graph_task, self._ready_graph_task
-        self._step_all(records, "grad_ready")
+        self._step_all(records, "grad_ready" if self.sync_grads else "grad_kept")
         holds = ts.grad_holds
         self._step_all([rec for rec in records if holds.pop(rec, 0) is None], "release",
                        ts.keep_graph and self.defer_allowed)
@@ -153,7 +155,7 @@ class BackwardHandlers:
         for rec in ts.grad_holds:
             self._step(rec, "release", defer)
         if not self.tasks:  # [Note: reduce-scatters finish with the outermost backward]
-            self.executor.finish_reduces()
+            self.sync_kept()
         if ts.depth == 0:
             self._abandon(self.bwd_plan, ts.passes)
             self.bwd_plan = self.bwd_plan.updated(ts.passes.order)
@@ -162,6 +164,15 @@ class BackwardHandlers:
         if not self.tasks and not ts.keep_graph:
             self.flush()
             self.last_audit = audit_leaks(self, strict=self.strict)
+
+    def sync_kept(self, force: bool = False) -> None:
+        """Complete the reduce-scatters, first issuing those of the gradients kept under rt.no_sync that
+        this backward did not fold in (when sync is on, or ``force``: rt.sync_gradients()); so K
+        micro-batches cost one reduce-scatter per bucket."""
+        unsynced = self.executor.unsynced
+        if (force or self.sync_grads) and unsynced:
+            self._step_all(unsynced.pending(lost=False), "grad_sync")
+        self.executor.finish_reduces()
 
     def _consume(self, ts: TaskState) -> None:
         """A backward that did not keep its graph freed the saved tensors of every forward call it
@@ -173,6 +184,8 @@ class BackwardHandlers:
 
     def _on_graph_freed(self, ev: Event) -> None:
         unit = ev.unit
+        if self.forward_holds and self.forward_holds.pop(ev.call, None) is not None:
+            self.release(unit, False)  # no backward came: [Note: a forward's hold kept for its backward]
         unit.live_graphs -= 1
         if unit.live_graphs > 0:
             return

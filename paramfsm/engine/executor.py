@@ -29,6 +29,7 @@ import torch
 from paramfsm.engine import grad_order, kernels, placeholder, rankcheck
 from paramfsm.engine.collectives import DEFAULT_TIMEOUT_S, reduce_scatter_flat, waiter
 from paramfsm.engine.gathers import PERSISTENT_BYTES, Gathers
+from paramfsm.engine.grad_sync import UnsyncedGrads
 from paramfsm.engine.inflight import Counters
 from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.engine.streams import REDUCE, HostStreams
@@ -67,6 +68,7 @@ class Executor(Gathers):
         self.reduce_dtype = reduce_dtype
         self.bucket_bytes = bucket_bytes
         self.counters = Counters()
+        self.unsynced = UnsyncedGrads(self)  # gradients kept under rt.no_sync (paramfsm.engine.grad_sync)
         self._empty: dict[tuple, torch.Tensor] = {}
         self._grads: list = []  # (record, grad) waiting for the next reduce bucket
         self._had: dict = {}  # record -> whether this rank had its gradient, for those staged in unit order
@@ -152,9 +154,18 @@ class Executor(Gathers):
             self._take(rec, grad, had)
 
     def _take(self, rec, grad, had=None) -> None:
-        """Put one gradient into the pending bucket (or reduce it alone when it is big)."""
+        """Fold in the micro-batches kept under rt.no_sync (paramfsm.engine.grad_sync), then queue it."""
         owned = not grad.requires_grad
         grad = grad if owned else grad.detach()
+        if self.unsynced:
+            folded = self.unsynced.fold(rec, grad)
+            if folded is not grad:  # a kept gradient: this rank has one, even when this backward gave none
+                grad, owned, had = folded, True, True if had is not None else None
+        self.queue_grad(rec, grad, owned, had)
+
+    def queue_grad(self, rec, grad, owned: bool, had=None) -> None:
+        """Add one full gradient to the pending reduce bucket (``owned``: referenced nowhere else;
+        ``had``: for gradients staged in unit order, whether this rank produced it)."""
         if self.local:
             self._accumulate(rec, grad.reshape(-1))
             return
@@ -207,6 +218,7 @@ class Executor(Gathers):
         reduces, self._reduces = self._reduces, []
         for reduce in reduces:
             self._complete(reduce)
+        self.unsynced.settled()
 
     def _issue_reduce(self, layout, dtype, grads) -> tuple:
         """Reduce-lane work: pack and pre-divide the gradients, issue the reduce-scatter.
@@ -265,6 +277,7 @@ class Executor(Gathers):
         reduces, self._reduces = self._reduces, []
         for ticket, records, _ in reduces:
             self._join_reduce(ticket, records)
+        self.unsynced.interrupted()
 
     @staticmethod
     def _accumulate(rec, flat_grad) -> None:

@@ -94,6 +94,7 @@ class FlightRecorder:
         self.dumps: list[Path] = []
         self._dumped_at = -1  # transitions seen at the last dump: nothing new, no dump
         self._capped = False
+        self.memory = None  # () -> a line of the bytes held by kind (set by the runtime), for messages
 
     def failed(self, exc: BaseException | None = None, reason: str | None = None) -> Path | None:
         """Dump for a failure (``exc`` raised, or ``reason`` without one); note the file on ``exc``."""
@@ -105,8 +106,9 @@ class FlightRecorder:
                 exc.paramfsm_dump = path
             except AttributeError:
                 return path
+            held = f" (memory held: {self.memory()})" if self.memory is not None else ""
             exc.add_note(f"paramfsm flight recorder: rank {self.ctx.rank}'s last transitions are in {path}; "
-                         f"replay them with `paramfsm trace check {path} --allow-open`")
+                         f"replay them with `paramfsm trace check {path} --allow-open`{held}")
         return path
 
     def dump(self, reason: str) -> Path | None:
@@ -134,7 +136,8 @@ class FlightRecorder:
             return None
         self._dumped_at = seen
         self.dumps.append(path)
+        held = f"; memory held: {self.memory()}" if self.memory is not None else ""
         log.warning("paramfsm: %s on rank %d at step %d: last %d transitions written to %s "
-                    "(paramfsm trace check %s --allow-open)", reason, self.ctx.rank, self.ctx.step,
-                    len(trace), path, path)
+                    "(paramfsm trace check %s --allow-open)%s", reason, self.ctx.rank, self.ctx.step,
+                    len(trace), path, path, held)
         return path

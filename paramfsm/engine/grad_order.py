@@ -73,8 +73,12 @@ class GradOrder:
     """The scheduler's part: stage single-unit gradients, close units in their order, zero-fill."""
 
     def expect_grads(self, unit, task: int) -> None:
-        """A unit's pre-backward: which of its parameters this backward reaches (once per task)."""
-        if self.executor.local:
+        """A unit's pre-backward: which of its parameters this backward reaches (once per task).
+
+        Under rt.no_sync nothing is sent, so nothing is planned: gradients are kept where they are, and
+        the first backward with sync on sends each unit in its order, kept sums folded in.
+        """
+        if self.executor.local or not self.sync_grads:
             return
         plan = self.grad_plans.get(task)
         if plan is None:

@@ -73,6 +73,10 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
         self.grad_plans: dict = {}
         self.grad_nodes: dict = {}
         self.zero_filled: dict = {}  # unit -> parameters sent as zeros in this backward
+        # reshard_after_forward: units whose forward hold is kept for their backward, and those holds
+        # (id of the forward call -> unit); see [Note: a forward's hold kept for its backward].
+        self.keep_after_forward: frozenset = frozenset()
+        self.forward_holds: dict = {}
         self.tasks_begun = 0
         self.last_audit: list = []
         self.closed = False
@@ -94,7 +98,11 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
             "defer": self._defer_all,
             "undefer": self._undefer_all,
             "reduce_grad": self.take_grads,
+            "keep_grad": executor.unsynced.keep,
+            "sync_grad": executor.unsynced.sync,
         }
+        # Off under rt.no_sync(): gradients are kept, not reduce-scattered (paramfsm.engine.grad_sync).
+        self.sync_grads = True
         self._handlers = {
             FORWARD_BEGIN: self._on_forward_begin, FORWARD_END: self._on_forward_end,
             PRE_FORWARD: self.enter_forward, POST_FORWARD: self.leave_forward,
@@ -221,6 +229,12 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
     def release(self, unit, keep_graph: bool) -> None:
         self._step_all(unit.records, "release", keep_graph and self.defer_allowed)
 
+    def release_forward_holds(self) -> None:
+        """Release every forward hold kept for a backward (see [Note: a forward's hold kept for its backward])."""
+        holds, self.forward_holds = self.forward_holds, {}
+        for unit in holds.values():
+            self.release(unit, False)
+
     def _abandon(self, plan: Plan, passes: PassState) -> None:
         """Drop prefetched parameters nobody fetched in a pass that ended."""
         for bucket in passes.issued:
@@ -269,6 +283,8 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
         if partitioned.REQUIRES_GRAD_CHANGED:
             partitioned.apply_requires_grad_changes(self._records, self.emit)
         self.flush()
+        if self.forward_holds:
+            self.release_forward_holds()
         self.ctx.step = self.pinned_step if self.pinned_step is not None else self.ctx.step + 1
         self.forward = PassState()
         self.forward_open = True
@@ -295,19 +311,26 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
         self.fetch(ev.unit, self.fwd_plan if planned else None, self.forward if planned else None)
 
     def _on_post_forward(self, ev: Event) -> None:
-        if ev.call is not None:
+        call = ev.call
+        if call is not None:
             ev.unit.live_graphs += 1
         if ev.graph_task == gt.NO_TASK:
-            self.release(ev.unit, False)
+            if call is not None and ev.unit in self.keep_after_forward:
+                self.forward_holds[id(call)] = ev.unit  # [Note: a forward's hold kept for its backward]
+            else:
+                self.release(ev.unit, False)
         # A recomputation keeps its hold until the unit's backward: see [Note: a forward recomputed ...].
 
     # ---------------------------------------------------------------- called by the runtime
     def hold(self, unit) -> None:
         """Fetch a unit for use outside forward/backward (rt.gathered).
 
-        Deferred copies may be stale after an optimizer step, so they are
-        flushed first (see [Note: flushing deferred parameters at a new forward]).
+        Deferred copies and units a forward kept for its backward may be stale
+        after an optimizer step, so they are returned first (see [Note: flushing
+        deferred parameters at a new forward]).
         """
+        if self.forward_holds:
+            self.release_forward_holds()
         self.held_outside[unit] = self.held_outside.get(unit, 0) + 1
         for rec in unit.records:
             if rec.state is State.DEFERRED_RELEASE:
@@ -329,6 +352,7 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
         self._ready_task = None
         self.tasks.clear()
         self.forward_open = False
+        self.forward_holds.clear()
         self.executor.abort_reduces()
         for rec in self.records:
             self._step(rec, "reset")

@@ -130,6 +130,9 @@ class ShardedTrainer(transformers.Trainer):
       groups) is built over the model's parameters and steps the shards
       (:mod:`paramfsm.optim` maps it at its first step).
     * **Clipping** through ``rt.clip_grad_norm_`` (the global norm over shards).
+    * **Gradient accumulation** (``args.gradient_accumulation_steps``): every
+      micro-batch but the last of a window runs under ``rt.no_sync()``, so an
+      optimizer step costs one reduce-scatter per bucket, not one per micro-batch.
     * **Saving.** The model file comes from ``rt.full_state_dict(rank0_only=True)``,
       written by rank 0 (``save_model`` is collective: every rank calls it, as
       the Trainer itself does). A checkpoint also holds :data:`SHARDS_DIR`, every
@@ -184,6 +187,16 @@ class ShardedTrainer(transformers.Trainer):
             return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
         accelerator.prepare_model = prepare_sharded
+        no_sync, runtime = accelerator.no_sync, self.runtime
+
+        def no_sync_sharded(model):
+            """The Trainer's micro-batches before the last of an accumulation window: one reduce-scatter per
+            optimizer step (Accelerate's no_sync would do nothing for a model it did not wrap in DDP)."""
+            if model is sharded:
+                return runtime.no_sync()
+            return no_sync(model)
+
+        accelerator.no_sync = no_sync_sharded
 
     # ------------------------------------------------------------------ device, clipping
     def _move_model_to_device(self, model, device) -> None:

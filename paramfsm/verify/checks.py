@@ -99,11 +99,13 @@ def at_rest(rt, graph_alive: bool, retain: str, released_by: str = "") -> list[s
     graph is alive), or empty.
     """
     problems = []
+    # Units a forward keeps for its backward (reshard_after_forward, the root by default) while its graph lives.
+    kept = {rec for unit in rt.scheduler.forward_holds.values() for rec in unit.records} if graph_alive else set()
     for rec in records(rt):
         state = rec.state
         if state is State.INFLIGHT:
             problems.append(f"'{rec.name}' is left INFLIGHT between ops (an abandoned prefetch?)")
-        elif state is State.AVAILABLE:
+        elif state is State.AVAILABLE and rec not in kept:
             problems.append(f"'{rec.name}' is left AVAILABLE (holds={rec.holds}) between ops: gathered with no user")
         elif state is State.DEFERRED_RELEASE and released_by:
             problems.append(f"'{rec.name}' is still DEFERRED_RELEASE after {released_by}")

@@ -1,0 +1,56 @@
+"""``rt.memory()``: the bytes this rank's runtime holds right now, by kind.
+
+What a lifetime runtime trades is memory against communication (retained
+graphs deferring releases, ``reshard_after_forward=False``, ``rt.no_sync()``),
+so what each choice holds is reported rather than left to guess. The figures
+are tensor bytes the runtime owns, counted from the parameters' states and
+buffers, not the allocator's view: a parameter of a one-rank world is a view
+of its shard and adds nothing.
+"""
+
+from __future__ import annotations
+
+from paramfsm.core.spec import State
+
+#: The kinds, in the order they are reported.
+KINDS = ("shards", "shard_grads", "gathered", "inflight", "deferred", "unsynced_grads")
+
+
+def memory(rt) -> dict[str, int]:
+    """Bytes held now, by kind.
+
+    ``shards``: this rank's shards (the optimizer's parameters); ``shard_grads``:
+    their gradients; ``gathered``: full parameters AVAILABLE (held by a forward,
+    a backward, ``rt.gathered``, a forward kept for its backward by
+    ``reshard_after_forward=False``, or an arrived prefetch); ``inflight``:
+    full parameters whose all-gather is in flight; ``deferred``: full
+    parameters kept in DEFERRED_RELEASE for a retained graph's next backward;
+    ``unsynced_grads``: full gradients kept under ``rt.no_sync()``.
+    """
+    held = dict.fromkeys(KINDS, 0)
+    by_state = {State.AVAILABLE: "gathered", State.INFLIGHT: "inflight", State.DEFERRED_RELEASE: "deferred"}
+    for rec in rt._by_id.values():
+        shard = rec.shard
+        held["shards"] += shard.numel() * shard.element_size()
+        if shard.grad is not None:
+            held["shard_grads"] += shard.grad.numel() * shard.grad.element_size()
+        kind = by_state.get(rec.state)
+        if kind is not None and rec.local_view is None:
+            data = rec.param.data
+            size = data.numel() * data.element_size()
+            held[kind] += size if size else rec.numel * (rt.executor.param_dtype or shard.dtype).itemsize
+    held["unsynced_grads"] = rt.executor.unsynced.nbytes
+    return held
+
+
+def describe(held: dict[str, int]) -> str:
+    """One line: ``shards 1.0 MiB, shard_grads 0 B, ...``."""
+    return ", ".join(f"{kind} {_size(held[kind])}" for kind in KINDS)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
