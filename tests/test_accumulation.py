@@ -124,7 +124,10 @@ def test_no_sync_matches_plain_torch_with_one_reduce_scatter_per_bucket(ranks2):
         assert out["synced_every_micro_batch"] == K * per, out
         assert out["no_sync"] == per, f"rank {rank}: K micro-batches under no_sync cost {out['no_sync']} " \
                                       f"reduce-scatters, one optimizer step should cost {per}"
-        assert out["explicit_sync"] == per and out["two_losses"] == per, out
+        # An explicit sync packs every kept gradient into buckets at once, with no unit boundaries, so it
+        # may need fewer reduce-scatters than a backward, never more.
+        assert 1 <= out["explicit_sync"] <= per, out
+        assert out["two_losses"] == per, out
         full_bytes = 4 * sum(p.numel() for p in mlp(width=8, depth=3, d_in=4, d_out=3).parameters())
         assert out["kept_bytes"] == full_bytes, out  # one full fp32 gradient per parameter
         held = out["memory"]
