@@ -85,6 +85,35 @@ def test_moe_one_unit_trains_like_plain_torch(ranks2):
         assert report["checks"] == 6
 
 
+def moe_no_sync_job(rank, world):
+    """Two micro-batches per step, the first under rt.no_sync(): the ranks keep different sets of expert
+    gradients (expert 2 only on rank 0), and the synchronising backward still pairs every unit's
+    reduce-scatter, the kept sums folded in."""
+    torch.manual_seed(0)
+    pair = Pair(Net(), rank, world, units=[MoE])
+    rt = pair.rt
+    for step in range(2):
+        pair.zero_grad()
+        for micro in range(2):
+            (x,) = batch(10 * step + micro, world, 4, (4,))
+            ids = routing(step + micro)
+            out, ref_out = pair.model(pair.local(x), pair.local(ids)), pair.ref.model(x, ids)
+            if micro == 0:
+                with rt.no_sync():
+                    out.pow(2).mean().backward()
+            else:
+                out.pow(2).mean().backward()
+            ref_out.pow(2).mean().backward()
+        pair.check_grads(f"step {step}, two micro-batches")
+        pair.step(f"step {step}")
+    return pair.finish()
+
+
+def test_moe_accumulated_under_no_sync_trains_like_plain_torch(ranks2):
+    for report in ranks2.run(moe_no_sync_job):
+        assert report["checks"] == 4, report
+
+
 def skipped_expert_job(rank, world):
     torch.manual_seed(0)
     model = Net()
