@@ -12,6 +12,7 @@ from scenario_traces import scenario_trace
 from paramfsm import cli
 from paramfsm.core.fsm import Lifetime, StepContext, default_table, step
 from paramfsm.core.trace import SNAPSHOT, Trace
+from paramfsm.verify.faults.user_paths import scrolled_leak_trace
 
 
 def run(capsys, *args) -> tuple[int, str, str]:
@@ -161,17 +162,7 @@ def test_a_snapshot_spliced_into_a_parameters_records_fails_the_check(tmp_path, 
 def test_a_ring_dump_keeps_a_leak_whose_records_scrolled_out(tmp_path, capsys):
     """A parameter fetched and never released, then thousands of other transitions: the ring no longer
     holds its records, but its dump still shows it gathered, so check and summary name the leak."""
-    table = default_table()
-    trace = Trace(0, limit=16, digest=table.digest)
-    leaked, busy = Lifetime("leaked", "head", 64), Lifetime("busy", "body", 64)
-    trace.lifetimes = (leaked, busy)
-    ctx = StepContext(0, trace)
-    for event in ("fetch", "arrive"):
-        step(table, leaked, event, ctx)
-    for i in range(40):
-        ctx.step = i
-        for event in ("fetch", "arrive", "release"):
-            step(table, busy, event, ctx)
+    trace = scrolled_leak_trace()
     path = trace.dump(tmp_path / "ring.jsonl")
     assert all(r.event == SNAPSHOT for r in Trace.load(path).records if r.param == "leaked")
     status, _, err = run(capsys, "trace", "check", str(path))

@@ -106,9 +106,9 @@ def spliced_snapshot_scenario() -> list:
                                    effects=(), holds=0)]
 
 
-def scrolled_leak_scenario() -> list:
-    """A flight-recorder window of 16 records, read after a leaked parameter's own records scrolled out of
-    the ring: ``trace check`` (without --allow-open) must still find it gathered."""
+def scrolled_leak_trace() -> Trace:
+    """A flight-recorder ring of 16 records whose leaked parameter ('leaked', fetched and never released)
+    has its own records scrolled out by 40 steps of another parameter."""
     table = default_table()
     trace = Trace(0, limit=16, digest=table.digest)
     leaked, busy = Lifetime("leaked", "head", 64), Lifetime("busy", "body", 64)
@@ -120,4 +120,10 @@ def scrolled_leak_scenario() -> list:
         ctx.step = i
         for event in ("fetch", "arrive", "release"):
             step(table, busy, event, ctx)
-    return trace.records
+    return trace
+
+
+def scrolled_leak_scenario() -> list:
+    """The window of :func:`scrolled_leak_trace`: ``trace check`` (without --allow-open) must still find
+    the leaked parameter gathered."""
+    return scrolled_leak_trace().records
