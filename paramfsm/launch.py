@@ -1,6 +1,7 @@
 """Run functions on N local ranks (127.0.0.1): for tests, the demo, verify and benchmarks.
 
-A :class:`RankPool` spawns its worker processes once, initialises one process
+A :class:`RankPool` starts its worker processes once (forked from a server
+that has imported torch, see :func:`_context`), initialises one process
 group among them (gloo for ``device="cpu"``, NCCL for ``device="cuda"``, each
 rank on its own GPU; ``backend=`` overrides), and then runs any number of picklable functions
 ``fn(rank, world, *args)`` on every rank, returning the per-rank results.
@@ -39,7 +40,11 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, conn, sys_path: list[str], threads: int, backend: str,
-            device: str) -> None:
+            device: str, environ: dict[str, str], cwd: str) -> None:
+    # The fork server was started once, possibly long ago: take the parent's state as of now.
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     sys.path[:] = sys_path
     import torch
     import torch.distributed as dist
@@ -68,6 +73,31 @@ def _worker(rank: int, world: int, port: int, conn, sys_path: list[str], threads
         except BaseException:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()
+    # [Note: a worker skips interpreter finalisation]
+    # Once the group is destroyed the worker has nothing left to clean up, but a normal interpreter
+    # exit with torch loaded takes over a second per process (module teardown, thread joins). A
+    # test session closes several pools, so that was seconds per pool spent on nothing. Flush what
+    # the jobs printed and leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _context():
+    """Processes forked from a server that has already imported torch.
+
+    [Note: ranks fork from a server that imported torch once]
+    Importing torch takes seconds, and ``world`` ranks importing it at once on a small machine take
+    ``world`` times as long; a test session starts a dozen pools. The ``forkserver`` start method
+    imports torch once, in a server process that runs nothing else (no threads, no CUDA, no process
+    group), and forks every rank from it, so a pool starts in a fraction of a second after the first.
+    Forking is safe because the server never initialised anything that threads or devices own. A
+    forked rank inherits the server's environment and working directory, not the caller's as a
+    spawned one would, so ``_worker`` receives both and applies them before it imports anything else.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
 
 
 class RankPool:
@@ -83,11 +113,12 @@ class RankPool:
         self._conns: list = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = free_port()
         for rank in range(self.world):
             parent, child = ctx.Pipe()
-            args = (rank, self.world, port, child, list(sys.path), self.threads, self.backend, self.device)
+            args = (rank, self.world, port, child, list(sys.path), self.threads, self.backend, self.device,
+                    dict(os.environ), os.getcwd())
             proc = ctx.Process(target=_worker, args=args, daemon=True)
             proc.start()
             self._procs.append(proc)
