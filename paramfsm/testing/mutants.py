@@ -54,14 +54,16 @@ class Row:
 
 def run_catalogue(*, subject: str = SUBJECT, examples: int = 25, seed: int = 0, world_size: int = 2,
                   pool: RankPool | None = None, faults=CATALOGUE,
-                  canonical_first: bool = True) -> tuple[str | None, list[Row]]:
-    """Baseline, then one verification per fault; returns (baseline failure message or None, rows)."""
+                  canonical_first: bool = True, baseline: bool = True) -> tuple[str | None, list[Row]]:
+    """Baseline, then one verification per fault; returns (baseline failure message or None, rows).
+
+    ``baseline=False`` skips the unmutated runs, for a caller that has just run the same ones."""
     own_pool = pool is None
     pool = pool or RankPool(world_size)
     try:
         # A fault names its own subject when the default one cannot exercise it; each subject's
         # unmutated baseline must pass first.
-        for each in dict.fromkeys(fault.subject or subject for fault in faults) or (subject,):
+        for each in (dict.fromkeys(fault.subject or subject for fault in faults) or (subject,)) if baseline else ():
             baseline = verify(each, world_size=world_size, examples=examples, seed=seed, pool=pool, shrink=False,
                               canonical_first=canonical_first)
             if baseline.failure is not None:
