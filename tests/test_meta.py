@@ -77,7 +77,7 @@ def init_job(rank, world):
         guarded = "no error"
     except ParamFSMError as exc:
         guarded = str(exc)
-    out = {"guarded": guarded}
+    out = {"guarded": guarded, "dumps": list(rt.flight.dumps)}
     torch.manual_seed(5)
     rt.init_weights()
     out["reset"] = _full(rt, model)
@@ -111,6 +111,7 @@ def test_init_weights_is_plain_init(pool, request):
     loss.backward()
     for rank, got in enumerate(results):
         assert "built on the meta device" in got["guarded"] and "rt.init_weights()" in got["guarded"]
+        assert got["dumps"] == [], "a forward stopped before any transition wrote a flight-recorder dump"
         for what, want in (("reset", reset), ("fn", ({n: p for n, p in plain.named_parameters()}, {}))):
             params, buffers = got[what]
             for name, value in want[0].items():

@@ -92,7 +92,9 @@ class FlightRecorder:
     def __init__(self, trace, ctx):
         self.trace, self.ctx = trace, ctx
         self.dumps: list[Path] = []
-        self._dumped_at = -1  # transitions seen at the last dump: nothing new, no dump
+        # Transitions seen at the last dump: nothing new, no dump. It starts at 0, so a failure before
+        # the first transition (a forward stopped by a guard of shard(), say) writes no empty dump.
+        self._dumped_at = 0
         self._capped = False
         self.memory = None  # () -> a line of the bytes held by kind (set by the runtime), for messages
 
