@@ -204,7 +204,10 @@ def load(rt, path, optimizer=None) -> None:
     if optimizer is not None:
         _init_optim_state(optimizer)
         state.update(sharded_optim_state_dict(rt, optimizer))
-    dcp.load(state, checkpoint_id=str(path), process_group=_dcp_group(rt))
-    load_sharded_state_dict(rt, state)
+    # dcp.load writes into the shards themselves (the state dict's DTensors view them), so a load that
+    # fails part-way leaves a mix of old and new values: the values guard holds until it completes.
+    with meta.setting_values(rt, "paramfsm.checkpoint.load"):
+        dcp.load(state, checkpoint_id=str(path), process_group=_dcp_group(rt))
+        load_sharded_state_dict(rt, state)
     if optimizer is not None:
         load_sharded_optim_state_dict(rt, optimizer, state)

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from patterns_common import Pair, batch, tokens
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 import paramfsm
 from paramfsm import State, checkpoint
@@ -290,3 +293,24 @@ def test_sharded_checkpoint_changes_world_size(ranks2, ranks3, ranks1, tmp_path)
     assert saved["seen"].tolist() == [2.0, 2.0, 2.0]
     assert ranks3.run(dcp_load_job, path, saved) == [True] * 3
     assert ranks1.run(dcp_load_job, path, saved) == [True]
+    assert ranks1.run(broken_load_job, path, saved) == [True]
+
+
+def broken_load_job(rank, world, path, saved):
+    """A checkpoint load that fails part-way leaves the model refusing to run until a load succeeds."""
+    broken = Path(path + "-incomplete")
+    shutil.copytree(path, broken)
+    max(broken.glob("*.distcp")).unlink()  # the file of the last rank that saved
+    model = _dcp_model()
+    rt = paramfsm.shard(model)
+    tok = tokens(0, 1, 2, SEQ, VOCAB)
+    with pytest.raises(CheckpointException, match="No such file"):
+        checkpoint.load(rt, broken)
+    with pytest.raises(paramfsm.ParamFSMError, match="failed part-way"):
+        model(tok)
+    checkpoint.load(rt, path)
+    full = rt.full_state_dict()
+    assert all(torch.equal(full[k], saved[k]) for k in saved), "the second load left other values"
+    model(tok).sum().backward()
+    rt.close()
+    return True
