@@ -188,3 +188,58 @@ def test_init_weights_refuses_what_it_cannot_do(ranks2):
     out = ranks2.run(bad_init_job)[0]
     assert "['pos'] were not written in full" in out["unowned"], out["unowned"]
     assert "module '1' (Reaching) uses parameter '0.weight'" in out["reaching"], out["reaching"]
+
+
+def meta_mixed_precision_job(rank, world, shape):
+    """Built on meta, sharded with param_dtype=bfloat16 (on a 2-D mesh when ``shape`` is given), initialised,
+    trained two steps: the gradients and parameters of plain torch running the same bfloat16 compute."""
+    import copy
+
+    from patterns_common import batch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from paramfsm.testing import assert_close_dicts, rank_slice
+    from paramfsm.testing.models import mlp
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")) if shape else None
+    with torch.device("meta"):
+        model = mlp(width=16, depth=3, d_in=8, d_out=4)
+    rt = paramfsm.shard(model, device="cpu", param_dtype=torch.bfloat16, mesh=mesh)
+    torch.manual_seed(5)
+    rt.init_weights()
+    master = mlp(width=16, depth=3, d_in=8, d_out=4)
+    torch.manual_seed(5)
+    plain_reset(master)
+    opt = torch.optim.AdamW(rt.shard_parameters(), lr=1e-2)
+    master_opt = torch.optim.AdamW(master.parameters(), lr=1e-2)
+    seen = set()
+    model[0].register_forward_hook(lambda m, args, out: seen.add((m.weight.dtype, out.dtype)))
+    assert_close_dicts({n: rt.full_param(n) for n, _ in model.named_parameters()},
+                       {n: p.detach() for n, p in master.named_parameters()}, atol=0, rtol=0, what="init")
+    for step in range(2):
+        x, = batch(step, world, 2, (8,))
+        model(rank_slice(x, rank, world)).float().pow(2).mean().backward()
+        low = copy.deepcopy(master).to(torch.bfloat16)
+        low(x.bfloat16()).float().pow(2).mean().backward()
+        for p, q in zip(master.parameters(), low.parameters()):
+            p.grad = q.grad.float()
+        want = {n: p.grad for n, p in master.named_parameters()}
+        scale = max(g.abs().max().item() for g in want.values())
+        assert_close_dicts({n: rt.full_grad(n) for n, _ in model.named_parameters()}, want,
+                           atol=scale * 2 ** -5, rtol=0, what=f"grads, step {step}")
+        opt.step()
+        master_opt.step()
+        opt.zero_grad(set_to_none=True)
+        master_opt.zero_grad(set_to_none=True)
+        assert_close_dicts({n: rt.full_param(n) for n, _ in model.named_parameters()},
+                           {n: p.detach() for n, p in master.named_parameters()}, atol=2e-2, rtol=0,
+                           what=f"params after step {step}")
+    assert seen == {(torch.bfloat16, torch.bfloat16)}, seen
+    assert all(s.dtype == torch.float32 and s.device.type == "cpu" for s in rt.shard_parameters())
+    rt.close()
+    return True
+
+
+@pytest.mark.parametrize("pool, shape", [("ranks2", None), ("ranks4", (2, 2))], ids=["world2", "mesh2x2"])
+def test_meta_build_with_param_dtype_trains_like_plain_torch(pool, shape, request):
+    assert request.getfixturevalue(pool).run(meta_mixed_precision_job, shape) == [True] * (4 if shape else 2)
