@@ -40,27 +40,23 @@ import os
 import sys
 import tempfile
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from paramfsm.launch import RankPool
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory import _reset_peak, _status_kib  # noqa: E402 - the same peak measurement as memory.py
+
 DEPTH, WIDTH, BATCH = 12, 2048, 8
 WAYS = ("paramfsm eager", "paramfsm meta", "FSDP2 eager", "FSDP2 meta")
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def _phase_start() -> int:
     gc.collect()
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
-        clear.write("5")
+    _reset_peak()
     return _status_kib("VmRSS")
 
 

@@ -94,6 +94,8 @@ def _context():
     Forking is safe because the server never initialised anything that threads or devices own. A
     forked rank inherits the server's environment and working directory, not the caller's as a
     spawned one would, so ``_worker`` receives both and applies them before it imports anything else.
+    What a process reads only when it starts (glibc's ``MALLOC_*`` variables, say) comes from the
+    environment of the first pool's start, when the server starts.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
