@@ -40,11 +40,10 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, conn, sys_path: list[str], threads: int, backend: str,
-            device: str, environ: dict[str, str], cwd: str) -> None:
-    # The fork server was started once, possibly long ago: take the parent's state as of now.
+            device: str, environ: dict[str, str]) -> None:
+    # The fork server was started once, possibly long ago: take the parent's environment as of now.
     os.environ.clear()
     os.environ.update(environ)
-    os.chdir(cwd)
     sys.path[:] = sys_path
     import torch
     import torch.distributed as dist
@@ -92,8 +91,9 @@ def _context():
     imports torch once, in a server process that runs nothing else (no threads, no CUDA, no process
     group), and forks every rank from it, so a pool starts in a fraction of a second after the first.
     Forking is safe because the server never initialised anything that threads or devices own. A
-    forked rank inherits the server's environment and working directory, not the caller's as a
-    spawned one would, so ``_worker`` receives both and applies them before it imports anything else.
+    forked rank inherits the server's environment, not the caller's as a spawned one would, so
+    ``_worker`` receives the caller's and applies it first (multiprocessing itself moves the rank into
+    the caller's working directory).
     What a process reads only when it starts (glibc's ``MALLOC_*`` variables, say) comes from the
     environment of the first pool's start, when the server starts.
     """
@@ -120,7 +120,7 @@ class RankPool:
         for rank in range(self.world):
             parent, child = ctx.Pipe()
             args = (rank, self.world, port, child, list(sys.path), self.threads, self.backend, self.device,
-                    dict(os.environ), os.getcwd())
+                    dict(os.environ))
             proc = ctx.Process(target=_worker, args=args, daemon=True)
             proc.start()
             self._procs.append(proc)
