@@ -2,6 +2,7 @@
 
 * :data:`SCALER`, :func:`compute_dtype` and :func:`tolerances`: what a
   program's :class:`~paramfsm.verify.ops.Config` means for mixed precision.
+* :func:`reshard_policy`: a configuration's ``reshard_after_forward``.
 * :func:`reentrant_blocks`: per-block reentrant activation checkpointing of
   any model, for the duration of one forward.
 * :func:`perturbed`: the state dict a round trip loads when it must change
@@ -49,6 +50,15 @@ def tolerances(subject, config) -> tuple[float, float]:
         low_atol, low_rtol = MIXED_TOLERANCES[config.param_dtype]
         atol, rtol = max(atol, low_atol), max(rtol, low_rtol)
     return atol, rtol
+
+
+def reshard_policy(config):
+    """The ``reshard_after_forward`` argument of a program's configuration: True, False, or a predicate that
+    keeps the named units (``""``: the root) from their forward to their backward."""
+    kept = config.reshard_after_forward
+    if isinstance(kept, bool):
+        return kept
+    return lambda name, module: name not in kept
 
 
 def default_blocks(model: nn.Module) -> tuple[str, ...]:
