@@ -18,7 +18,12 @@ After every op (see :mod:`paramfsm.verify.checks`):
   under ``retain="defer"`` while the program still references a graph; after
   ``rt.flush()``, and after a backward without ``retain_graph`` when no
   retained graph is alive, nothing is deferred;
-- shards and shard gradients equal this rank's slice of the reference;
+- shards and shard gradients equal this rank's slice of the reference (the
+  gradients kept under ``rt.no_sync`` left out until the program synchronises
+  them, after which nothing may still be kept; a backward with sync off
+  reduce-scatters nothing: :mod:`paramfsm.verify.sync_checks`);
+- a forward that records a graph leaves the units ``reshard_after_forward``
+  keeps held for its backward; one that records none leaves nothing held;
 - gathered data is the current parameter (inside ``rt.gathered`` and while no
   optimizer step happened since the last forward);
 - communication counts are sane: a backward that finds every parameter
