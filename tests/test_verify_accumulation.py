@@ -90,6 +90,16 @@ def test_accumulation_and_kept_units_match_plain_torch(ranks2):
             assert not outcome.failed and not outcome.kind, (rank, outcome.kind, outcome.op, outcome.message[:600])
 
 
+def test_ranks_keeping_different_experts_synchronise_the_same_parameters(ranks2):
+    """A mixture of experts made one unit: under no_sync each rank keeps only the experts its tokens reached,
+    and rt.sync_gradients() must still pair the same parameters on every rank (it sent only the kept ones,
+    so the reduce-scatters of the two ranks mixed different experts)."""
+    experts = "paramfsm.testing.subjects:experts_lm"
+    program = next(p for p in canonical(probe(experts)) if p.config.reshard_after_forward is False)
+    for rank, outcome in enumerate(ranks2.run(run_program, experts, program, Options())):
+        assert not outcome.failed and not outcome.kind, (rank, outcome.kind, outcome.op, outcome.message[:600])
+
+
 def test_sync_checks_name_what_is_wrong():
     assert sync_checks.synchronised(frozenset({"head.weight"}), True, "a Backward op") == []
     problem, = sync_checks.synchronised(frozenset({"head.weight"}), False, "a Backward op")

@@ -226,8 +226,9 @@ class Checker:
         problems += sync_checks.kept_without_sync(type(op).__name__, self.syncing, self._before, rt.counters)
         if problems:
             raise Failed("sync", problems)
+        unsynced = frozenset(self.mirror.params) if self.accumulating else frozenset()
         problems = checks.matches_reference(rt, self.mirror.params, self.mirror.grads(), self.rank, self.world,
-                                            self.atol, self.rtol, kept)
+                                            self.atol, self.rtol, unsynced)
         if problems:
             raise Failed("reference", problems)
         problems = self._reshard_problems(op)

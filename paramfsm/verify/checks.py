@@ -156,8 +156,8 @@ def matches_reference(rt, ref_params: Mapping, ref_grads: Mapping, rank: int, wo
                       atol: float, rtol: float, kept: frozenset = frozenset()) -> list[str]:
     """Shards and shard gradients equal this rank's slice of the reference parameters and gradients.
 
-    ``kept``: parameters whose gradient this rank keeps unsynchronised; their gradients are not compared
-    (see [Note: comparing gradients while some are kept] in :mod:`paramfsm.verify.sync_checks`).
+    ``kept``: parameters whose gradients are not compared while gradients are kept unsynchronised (see
+    [Note: comparing gradients while some are kept] in :mod:`paramfsm.verify.sync_checks`).
     """
     problems = []
     for rec in records(rt):

@@ -8,13 +8,16 @@ Under ``rt.no_sync()`` (or with gradient sync switched off) each rank keeps
 the full gradient of its own micro-batches, summed, and the shard gradient
 stands still until the sum is reduce-scattered. The reference simply
 accumulates, so its gradient is the rank-averaged sum, which no single rank
-holds yet. While gradients are kept, verify therefore compares every
-gradient that is not kept, the parameters, the states and the trace as
-usual, and leaves out only the kept ones (:func:`kept_names`); once the
-program synchronises (a backward with sync on, ``rt.sync_gradients()``) or
-zeroes them, nothing may still be kept (:func:`synchronised`) and every
-gradient is compared with plain torch again, so a kept micro-batch dropped,
-summed twice or never synchronised shows as a gradient that differs.
+holds yet; a rank that produced no gradient for a parameter (an expert its
+tokens never reached) keeps nothing for it while another rank does, so no
+rank can tell alone which gradients are pending. While a backward with sync
+off has kept gradients, verify therefore compares the parameters, the
+states, the communication and the trace as usual and leaves the gradients
+out; once the program synchronises (a backward with sync on,
+``rt.sync_gradients()``) or zeroes them, nothing may still be kept
+(:func:`synchronised`) and every gradient is compared with plain torch again,
+so a kept micro-batch dropped, summed twice or never synchronised shows as a
+gradient that differs.
 """
 
 from __future__ import annotations
