@@ -271,16 +271,17 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
                                       ("step", 0, 0, False), ("requires_grad", 1, 0, False),
                                       ("state_dict", 1, 0, True), ("state_dict", 1, 0, False),
                                       ("iteration", 0, 2, False))),
-    # Accumulation, every unit kept from its forward to its backward: two micro-batches under rt.no_sync() and a
-    # synchronising backward outside the window, a step; three in eval mode through rt.backward, the first a
-    # two-loss retained micro-batch whose graph is dropped, then rt.sync_gradients() and a step. The sync
-    # switch: a forward with sync off whose backward runs with it back on (it synchronises), an iteration
-    # with sync off (kept, then rt.sync_gradients() before the step). A no_grad forward keeps nothing.
-    (Config(reshard_after_forward=False), (("no_sync", 0, 1, False), ("no_sync", 5, 5, True),
-                                           ("grad_sync", 0, 0, False), ("forward", 0, 2, False),
-                                           ("loss", 0, 2, False), ("grad_sync", 0, 0, True), ("backward", 0, 2, False),
+    # Accumulation, every unit kept from its forward to its backward: a no_grad forward (it keeps nothing); the
+    # sync switch: a forward with sync off whose backward runs with it back on (it synchronises), an iteration
+    # with sync off (kept, then rt.sync_gradients() before the step); two micro-batches under rt.no_sync()
+    # and a synchronising backward outside the window, a step; three in eval mode through rt.backward, the
+    # first a two-loss retained micro-batch whose graph is dropped, then rt.sync_gradients() and a step.
+    (Config(reshard_after_forward=False), (("forward", 1, 3, False), ("grad_sync", 0, 0, False),
+                                           ("forward", 0, 2, False), ("loss", 0, 2, False),
+                                           ("grad_sync", 0, 0, True), ("backward", 0, 2, False),
                                            ("grad_sync", 0, 0, False), ("iteration", 0, 1, False),
-                                           ("grad_sync", 0, 0, True), ("forward", 1, 3, False))),
+                                           ("grad_sync", 0, 0, True), ("no_sync", 0, 1, False),
+                                           ("no_sync", 5, 5, True))),
 )
 
 
