@@ -50,7 +50,7 @@ def kept_without_sync(op_kind: str, syncing: bool, before: Mapping, after: Mappi
 
 def graphs_of(rt) -> dict:
     """Unit -> its live graph count, for the units ``reshard_after_forward`` keeps (taken before a forward)."""
-    return {unit: unit.live_graphs for unit in rt.scheduler.keep_after_forward}
+    return {unit: unit.live_graphs for unit in sorted(rt.scheduler.keep_after_forward, key=lambda u: u.index)}
 
 
 def kept_after_forward(rt, before: Mapping) -> list[str]:
