@@ -58,8 +58,11 @@ def set_requires_gradient_sync(rt, requires_gradient_sync: bool) -> None:
 def sync_gradients(rt) -> None:
     """Reduce-scatter every gradient kept under ``no_sync`` into the shard gradients now. Collective.
 
-    Every rank calls it, between backward passes; it does nothing (and sends
-    nothing) on a rank that kept none, which is every rank when one kept none.
+    Every rank calls it, between backward passes. It sends every parameter of
+    the units a backward reached under ``no_sync`` since the last
+    synchronisation, zeros where this rank kept none (see [Note: ranks
+    synchronise the same parameters] in :mod:`paramfsm.engine.grad_sync`), and
+    nothing when no such backward ran.
     """
     scheduler = rt.scheduler
     if scheduler.tasks:

@@ -64,6 +64,7 @@ def _flat_dtensor(rt, where, rec, tensor: torch.Tensor) -> DTensor:
 
 def _require_idle(rt, what: str) -> None:
     rt.flush()
+    rt.scheduler.release_forward_holds()  # units kept for a backward: see paramfsm.engine.reshard
     busy = [rec.name for rec in rt._by_id.values() if rec.state is not State.NOT_AVAILABLE]
     if busy:
         raise ParamFSMError(f"cannot {what} while parameters are gathered: {busy[:5]}; "

@@ -131,6 +131,7 @@ def load_full_state_dict(rt, state_dict) -> None:
     are not copied whole.
     """
     rt.flush()
+    rt.scheduler.release_forward_holds()  # kept for a backward the load makes stale: see paramfsm.engine.reshard
     busy = [rec.name for rec in rt._by_id.values() if rec.state is not State.NOT_AVAILABLE]
     if busy:
         raise ParamFSMError(f"cannot load a state dict while parameters are gathered: {busy[:5]}; "

@@ -11,6 +11,7 @@ from paramfsm.core import replay
 from paramfsm.core.trace import Trace
 from paramfsm.engine import events, executor, graph_task, hooks
 from paramfsm.engine.executor import Executor
+from paramfsm.engine.grad_sync import UnsyncedGrads
 from paramfsm.engine.higher_order import SecondOrderEntry
 from paramfsm.engine.scheduler import Scheduler
 from paramfsm.verify import faults
@@ -36,7 +37,7 @@ def _patchable():
             hooks._post_forward, events.ForwardCall.__del__, graph_task.queue_final_callback,
             executor.reduce_scatter_flat, dict(vars(amp.GradScaler)), grad_norm.clip_grad_norm_,
             checkpoint._flat_dtensor, vars(SecondOrderEntry)["backward"], full_state.load_full_state_dict,
-            replay.replay, Trace._snapshot)
+            replay.replay, Trace._snapshot, dict(vars(UnsyncedGrads)))
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))

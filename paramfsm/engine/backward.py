@@ -170,8 +170,9 @@ class BackwardHandlers:
         this backward did not fold in (when sync is on, or ``force``: rt.sync_gradients()); so K
         micro-batches cost one reduce-scatter per bucket."""
         unsynced = self.executor.unsynced
-        if (force or self.sync_grads) and unsynced:
-            self._step_all(unsynced.pending(lost=False), "grad_sync")
+        if (force or self.sync_grads) and (unsynced or unsynced.reached):
+            self._step_all(unsynced.due(), "grad_sync")
+            unsynced.reached.clear()
         self.executor.finish_reduces()
 
     def _consume(self, ts: TaskState) -> None:

@@ -76,10 +76,16 @@ class GradOrder:
         """A unit's pre-backward: which of its parameters this backward reaches (once per task).
 
         Under rt.no_sync nothing is sent, so nothing is planned: gradients are kept where they are, and
-        the first backward with sync on sends each unit in its order, kept sums folded in.
+        the first backward with sync on sends each unit in its order, kept sums folded in; the unit is
+        remembered until then (see [Note: ranks synchronise the same parameters] in grad_sync).
         """
-        if self.executor.local or not self.sync_grads:
+        if self.executor.local:
             return
+        reached = self.executor.unsynced.reached
+        if not self.sync_grads:
+            reached[unit] = None
+            return
+        reached.pop(unit, None)
         plan = self.grad_plans.get(task)
         if plan is None:
             plan = self.grad_plans[task] = {}

@@ -21,6 +21,20 @@ it. A shard gradient changed in place to anything but zeros (clipping a
 partial gradient) cannot be honoured and raises :class:`UnsyncedGradients`.
 Plain torch also shows a non-None ``.grad`` after such a backward.
 
+[Note: ranks synchronise the same parameters]
+Ranks whose graphs differ inside a unit (a mixture of experts made one unit)
+keep different parameters: an expert that got no tokens on a rank has no
+gradient there. A backward with sync on sends every parameter of each unit it
+reaches in the unit's order, zeros where it has none, kept sums folded in
+(see [Note: a unit's gradients go out in the unit's order] in
+paramfsm.engine.grad_order), so the ranks pair the same parameters. What is
+synchronised without such a backward (``rt.sync_gradients()``, or units the
+synchronising backward did not reach) follows the same rule: the units a
+backward reached under no_sync are remembered (``reached``, which the ranks
+agree on whenever they agree on which units run), and each of their
+parameters goes out in model order, the kept sum or zeros flagged as no
+gradient here, never only the parameters this rank happens to keep.
+
 [Note: an interrupted accumulation is never stepped]
 An interrupted backward contributes nothing to shard gradients (see
 ``Executor.abort_reduces``). A kept gradient it already added to, or one
@@ -36,6 +50,7 @@ import weakref
 
 import torch
 
+from paramfsm.engine.grad_order import staged
 from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.errors import UnsyncedGradients
 
@@ -60,6 +75,7 @@ class UnsyncedGrads:
         self.entries: dict = {}
         self.touched: set = set()  # kept into since the last completed backward
         self.syncing: set = set()  # taken into a reduce bucket that has not completed yet
+        self.reached: dict = {}  # units a backward reached under no_sync, not sent since ([Note: ranks ...])
 
     def __bool__(self) -> bool:
         return bool(self.entries)
@@ -102,9 +118,26 @@ class UnsyncedGrads:
             UNSYNCED.discard(self)
         return kept.grad.add_(grad.detach())
 
+    def due(self) -> list:
+        """The records to synchronise, in an order every rank shares: each parameter that requires grad of
+        the units a backward reached under no_sync, in model order (see [Note: ranks synchronise the same
+        parameters]), then any other kept one, first kept first."""
+        out = []
+        if not self.executor.local:
+            for unit in sorted(self.reached, key=lambda u: u.index):
+                out += [rec for rec in unit.records if rec.requires_grad and staged(rec)]
+        chosen = set(out)
+        return out + [rec for rec in self.pending(lost=False) if rec not in chosen]
+
     def sync(self, records) -> None:
-        """The sync_grad effect: queue each kept gradient for reduce-scatter (lost ones stay, to raise)."""
+        """The sync_grad effect: queue each kept gradient for reduce-scatter; a parameter of a reached unit
+        goes out in its unit's way, its kept sum or zeros flagged as no gradient here (lost ones stay, to
+        raise)."""
+        executor = self.executor
         for rec in records:
+            if staged(rec) and not executor.local:
+                executor.take_ordered([(rec, None)])  # zeros, with the kept sum folded in (Executor._take)
+                continue
             kept = self._current(rec)
             if kept is None or kept.grad is None:
                 continue
@@ -140,6 +173,7 @@ class UnsyncedGrads:
     def drop(self) -> None:
         """Forget every entry (rt.detach)."""
         self.entries.clear()
+        self.reached.clear()
         UNSYNCED.discard(self)
 
     def _current(self, rec):

@@ -19,6 +19,9 @@ the parameter AVAILABLE). It is released:
   parameters at a new forward]): an optimizer step may have changed the shards
   since, and a backward over the older graph gathers again (correct; keeping
   is only an optimisation);
+* by ``rt.gathered``, a state-dict load and a sharded checkpoint's save or
+  load, which read or write the shards directly (a later backward over the
+  graph gathers again);
 * by ``rt.reset()`` and the recovery after an interrupted forward or backward.
 
 [Note: the root is resharded too]

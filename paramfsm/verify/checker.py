@@ -33,10 +33,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from paramfsm.core.spec import State
-from paramfsm.verify import checks, loop_helpers
+from paramfsm.verify import checks, loop_helpers, sync_checks
 from paramfsm.verify.mirror import Mirror, loss_of, penalised  # noqa: F401 - re-exported for the runner
 from paramfsm.verify.ops import (
-    Backward, Checkpoint, Config, Drop, Flush, Forward, FullState, Loss, Penalty, Step,
+    Backward, Checkpoint, Config, Drop, Flush, Forward, FullState, Gathered, GradSync, Loss, NoSync, Penalty, Step,
+    SyncGradients, ZeroGrad,
 )
 from paramfsm.verify.subject import describe, global_batch, split
 
@@ -98,6 +99,10 @@ class Checker:
         self.released = False  # the op must leave nothing deferred
         self.fresh = True  # no optimizer step since the last forward: gathered data must be current
         self.marks: list[int] = []  # trace length before each op
+        # Gradient sync: the switch, an open no_sync window, whether a backward kept gradients since they
+        # were last synchronised or zeroed, and whether sync was on when the op began.
+        self.sync_on, self.window, self.accumulating, self.syncing = True, False, False, True
+        self._graphs: dict = {}  # kept units' live graph counts before a forward
         self._op = None
         self._before: dict = {}
         self._all_deferred = False
@@ -127,6 +132,8 @@ class Checker:
         self._all_deferred = self.config.retain == "defer" and all(
             rec.state is State.DEFERRED_RELEASE for rec in checks.records(rt))
         self.released = False
+        self.syncing = self.sync_on and not self.window
+        self._graphs = sync_checks.graphs_of(rt) if isinstance(op, Forward) else {}
         try:
             for batch in {getattr(op, "batch", None)} - {None}:
                 self.batch(batch)
@@ -176,6 +183,7 @@ class Checker:
         elif isinstance(op, Loss):
             self.owner[op.loss] = op.out
         elif isinstance(op, (Backward, Penalty)):
+            self.accumulating = not self.syncing
             out = self.owner[op.loss]
             if op.retain:
                 self.retained.add(out)
@@ -187,6 +195,12 @@ class Checker:
             self.retained.discard(op.out)
         elif isinstance(op, Step):
             self.fresh = False
+        elif isinstance(op, (ZeroGrad, SyncGradients)):
+            self.accumulating = False
+        elif isinstance(op, NoSync):
+            self.window = op.enter
+        elif isinstance(op, GradSync):
+            self.sync_on = op.flag
 
     def _clean_scratch(self) -> None:
         """Remove the op's DCP folders (every rank has passed the op's agreement, so none still reads them)."""
@@ -207,10 +221,19 @@ class Checker:
             problems += checks.retained_window(rt, type(op).__name__, self.config)
         if problems:
             raise Failed("at rest", problems)
+        kept = sync_checks.kept_names(rt)
+        problems = sync_checks.synchronised(kept, self.accumulating, f"a {type(op).__name__} op")
+        problems += sync_checks.kept_without_sync(type(op).__name__, self.syncing, self._before, rt.counters)
+        if problems:
+            raise Failed("sync", problems)
+        unsynced = frozenset(self.mirror.params) if self.accumulating else frozenset()
         problems = checks.matches_reference(rt, self.mirror.params, self.mirror.grads(), self.rank, self.world,
-                                            self.atol, self.rtol)
+                                            self.atol, self.rtol, unsynced)
         if problems:
             raise Failed("reference", problems)
+        problems = self._reshard_problems(op)
+        if problems:
+            raise Failed("reshard", problems)
         if self.fresh:
             problems = checks.full_values(rt, self.mirror.params, self.atol, self.rtol)
             if problems:
@@ -227,6 +250,15 @@ class Checker:
             if got != want:
                 raise Failed("scaler", [f"the loss scale is {got} after scaler.update(), plain torch's is {want} "
                                         "(the ranks and the reference disagree on skipping the step)"])
+
+    def _reshard_problems(self, op) -> list[str]:
+        """A forward that recorded a graph holds its kept units; one that recorded none holds nothing."""
+        if isinstance(op, Forward) and op.out >= 0:
+            return sync_checks.kept_after_forward(self.rt, self._graphs)
+        if isinstance(op, Forward) or isinstance(op, Gathered) and op.batch is not None:
+            return sync_checks.nothing_kept(self.rt, f"a {type(op).__name__} op" +
+                                            (f" in mode {op.mode}" if isinstance(op, Forward) else ""))
+        return []
 
     # ------------------------------------------------------------------ results handed over by an op
     def _agreed(self, kind: str, problems: list[str]) -> None:

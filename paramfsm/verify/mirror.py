@@ -22,6 +22,8 @@ reduce-scatter produces. What each op means in plain torch:
   ``FullState``: ``model.state_dict()`` and ``model.load_state_dict`` of the
   same (or perturbed) values; ``Checkpoint``: nothing (a round trip);
   ``RequiresGrad``: ``requires_grad_`` on the master's parameter.
+* ``NoSync``, ``GradSync``, ``SyncGradients``: nothing. Gradients kept under
+  ``rt.no_sync()`` and reduce-scattered once are plain accumulation.
 """
 
 from __future__ import annotations

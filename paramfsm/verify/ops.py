@@ -40,6 +40,10 @@ class Config:
     bucket_bytes: int = 1 << 20
     max_deferred_bytes: int | None = None
     param_dtype: str | None = None
+    #: ``reshard_after_forward``: True (every unit resharded after its forward), False (every unit kept for
+    #: its backward), or the names of the units kept (``""``: the root), as the predicate
+    #: ``lambda name, module: name not in KEPT`` (see :func:`paramfsm.verify.loop_helpers.reshard_policy`).
+    reshard_after_forward: bool | tuple[str, ...] = True
 
     @property
     def scaled(self) -> bool:
@@ -166,8 +170,32 @@ class RequiresGrad:
     flag: bool
 
 
+@attrs.frozen(slots=True)
+class NoSync:
+    """Enter (``enter=True``) or leave a ``with rt.no_sync():`` window that spans the ops between the two.
+
+    Backward passes inside keep their gradients on each rank; plain torch
+    simply accumulates them (the reference does nothing for this op).
+    """
+
+    enter: bool
+
+
+@attrs.frozen(slots=True)
+class GradSync:
+    """``rt.set_requires_gradient_sync(flag)`` (FSDP2's switch), anywhere in a program, even between a forward
+    and its backward: the switch in force when a backward runs decides."""
+
+    flag: bool
+
+
+@attrs.frozen(slots=True)
+class SyncGradients:
+    """``rt.sync_gradients()``: the gradients kept under ``no_sync`` reduce-scattered now (a no-op with none)."""
+
+
 Op = (Forward | Loss | Backward | Penalty | Drop | ZeroGrad | Step | Flush | Gathered | Unscale | Overflow | Clip
-      | FullState | Checkpoint | RequiresGrad)
+      | FullState | Checkpoint | RequiresGrad | NoSync | GradSync | SyncGradients)
 
 
 @attrs.frozen(slots=True)

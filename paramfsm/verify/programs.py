@@ -31,10 +31,11 @@ from typing import Sequence
 import attrs
 from hypothesis import strategies as st
 
+from paramfsm.verify.accumulation_intents import ACCUMULATION_KINDS, AccumulationIntents
 from paramfsm.verify.ops import (  # noqa: F401 - the vocabulary, re-exported for existing imports
     AUTO_MODES, BATCHES, CLIP_NORM_TYPES, CLIP_NORMS, GRAD_MODES, LOSS_VARIANTS, MODES, PENALTY_WEIGHT, Backward,
-    Checkpoint, Clip, Config, Drop, Flush, Forward, FullState, Gathered, Loss, Op, Overflow, Penalty, Program,
-    RequiresGrad, Shape, Step, Unscale, ZeroGrad,
+    Checkpoint, Clip, Config, Drop, Flush, Forward, FullState, Gathered, GradSync, Loss, NoSync, Op, Overflow,
+    Penalty, Program, RequiresGrad, Shape, Step, SyncGradients, Unscale, ZeroGrad,
 )
 
 
@@ -54,16 +55,18 @@ class _Output:
 
 KINDS = ("backward", "forward", "loss", "zero_grad", "step", "iteration", "drop", "flush",
          "gathered", "penalty", "multi_loss", "accumulate", "backward", "forward", "multi_loss",
-         "clip", "state_dict", "requires_grad", "overflow", "unscale")
+         "clip", "state_dict", "requires_grad", "overflow", "unscale") + ACCUMULATION_KINDS
 
 
-class _Normaliser:
+class _Normaliser(AccumulationIntents):
     """Turns intents into ops, tracking the outputs (graphs) a valid program may still use.
 
     It also tracks what the loop's state allows: whether any gradient exists
     since the last ``zero_grad`` (a scaler cannot step without one), whether
     the scaler has unscaled since its last step (once per step, as torch
-    requires), and which parameters are frozen (one always stays trainable).
+    requires), which parameters are frozen (one always stays trainable), and
+    whether gradients are kept unsynchronised (see
+    :mod:`paramfsm.verify.accumulation_intents`).
     """
 
     def __init__(self, shape: Shape, config: Config = Config()):
@@ -113,6 +116,7 @@ class _Normaliser:
     def backward(self, out: _Output, loss: int, retain: bool, via_runtime: bool) -> None:
         self.ops.append(Backward(loss, retain, via_runtime))
         self.has_grads = True
+        self.took_grads()
         if not retain:
             out.freed = True
 
@@ -138,13 +142,14 @@ class _Normaliser:
                 return
             self.ops.append(Penalty(loss, flag))
             self.has_grads = True
+            self.took_grads()
             if not flag:
                 out.freed = True
         elif kind in ("backward", "penalty"):
             out, loss = self.some_loss(a, b)
             self.backward(out, loss, flag, bool(b % 2))
         elif kind in ("iteration", "accumulate"):
-            self.ops.append(ZeroGrad())
+            self.zero_grad()
             for micro in range(1 + (b % 3 if kind == "accumulate" else 0)):
                 out = self.forward((b + micro) % BATCHES, AUTO_MODES[a % len(AUTO_MODES)])
                 self.backward(out, self.loss(out, a), False, flag)
@@ -155,9 +160,10 @@ class _Normaliser:
         elif kind == "drop" and self.outputs:
             self.drop(self.outputs[a % len(self.outputs)])
         elif kind == "zero_grad":
-            self.ops.append(ZeroGrad())
+            self.zero_grad()
             self.has_grads = False
         elif kind == "step" and (self.has_grads or not self.config.scaled):
+            self.synced()
             self.ops.append(Step())
             self.unscaled = False
             self.modified()
@@ -166,6 +172,8 @@ class _Normaliser:
         elif kind == "gathered":
             names = (None,) + self.shape.modules
             self.ops.append(Gathered(names[a % len(names)], b % BATCHES if flag else None))
+        elif kind in ACCUMULATION_KINDS:
+            self.accumulation_op(kind, a, b, flag)
         else:
             self.training_op(kind, a, b, flag)
 
@@ -173,6 +181,7 @@ class _Normaliser:
         """Clipping, loss-scaler ops, state-dict round trips and freezing (see :mod:`paramfsm.verify.ops`)."""
         scaled = self.config.scaled
         if kind == "clip":
+            self.synced()
             if scaled and self.has_grads and not self.unscaled:
                 self.unscale()
             self.ops.append(Clip(CLIP_NORMS[a % len(CLIP_NORMS)], CLIP_NORM_TYPES[b % len(CLIP_NORM_TYPES)]))
@@ -180,6 +189,7 @@ class _Normaliser:
             self.unscale()
         elif kind == "overflow" and scaled and self.has_grads and not self.unscaled and self.trainable():
             name, numel = self.trainable()[a % len(self.trainable())]
+            self.synced()
             self.ops.append(Overflow(name, b * numel // 8))
         elif kind == "state_dict":
             self.ops.append(Checkpoint() if flag else FullState(bool(a % 2)))
@@ -192,9 +202,11 @@ class _Normaliser:
             for out in list(self.outputs):  # between iterations: no graph alive
                 self.drop(out)
             self.frozen.symmetric_difference_update({name})
+            self.synced()
             self.ops.append(RequiresGrad(name, unfreeze))
 
     def unscale(self) -> None:
+        self.synced()
         self.ops.append(Unscale())
         self.unscaled = True
 
@@ -209,7 +221,7 @@ class _Normaliser:
         losses = [self.loss(out, a + i) for i in range(2 + (b // 4) % 2)]
         for i, loss in enumerate(losses):
             last = i == len(losses) - 1
-            self.ops.append(ZeroGrad())
+            self.zero_grad()
             self.backward(out, loss, not last or variant == 2, via_runtime)
             if variant == 3 and not last:
                 self.ops.append(Flush())
@@ -228,6 +240,7 @@ def normalise(intents: Sequence[tuple], shape: Shape, config: Config = Config())
         norm.apply(kind, a, b, flag)
     for out in list(norm.outputs):
         norm.drop(out)
+    norm.finish_accumulation()
     return Program(config, tuple(norm.ops))
 
 
@@ -258,6 +271,17 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
                                       ("step", 0, 0, False), ("requires_grad", 1, 0, False),
                                       ("state_dict", 1, 0, True), ("state_dict", 1, 0, False),
                                       ("iteration", 0, 2, False))),
+    # Accumulation, every unit kept from its forward to its backward: a no_grad forward (it keeps nothing); the
+    # sync switch: a forward with sync off whose backward runs with it back on (it synchronises), an iteration
+    # with sync off (kept, then rt.sync_gradients() before the step); two micro-batches under rt.no_sync()
+    # and a synchronising backward outside the window, a step; three in eval mode through rt.backward, the
+    # first a two-loss retained micro-batch whose graph is dropped, then rt.sync_gradients() and a step.
+    (Config(reshard_after_forward=False), (("forward", 1, 3, False), ("grad_sync", 0, 0, False),
+                                           ("forward", 0, 2, False), ("loss", 0, 2, False),
+                                           ("grad_sync", 0, 0, True), ("backward", 0, 2, False),
+                                           ("grad_sync", 0, 0, False), ("iteration", 0, 1, False),
+                                           ("grad_sync", 0, 0, True), ("no_sync", 0, 1, False),
+                                           ("no_sync", 5, 5, True))),
 )
 
 
@@ -266,8 +290,14 @@ def canonical(shape: Shape) -> list[Program]:
     return [normalise(intents, shape, config) for config, intents in CANONICAL]
 
 
-def configs() -> st.SearchStrategy[Config]:
+def kept_alternate(shape: Shape) -> tuple[str, ...]:
+    """Units a drawn ``reshard_after_forward`` predicate keeps: the root and every second unit module."""
+    return ("",) + shape.modules[1::2]
+
+
+def configs(shape: Shape | None = None) -> st.SearchStrategy[Config]:
     """Sharding configurations, weighted towards the defaults of ``paramfsm.shard`` (and shrinking to them)."""
+    kept = (kept_alternate(shape),) if shape is not None else ()
     return st.builds(
         Config,
         retain=st.sampled_from(("defer", "regather", "defer")),
@@ -275,6 +305,7 @@ def configs() -> st.SearchStrategy[Config]:
         bucket_bytes=st.sampled_from((1 << 20, 1)),
         max_deferred_bytes=st.sampled_from((None, 4096, None)),
         param_dtype=st.sampled_from((None, "float16", "bfloat16")),
+        reshard_after_forward=st.sampled_from((True, True, True, False) + kept),
     )
 
 
@@ -285,5 +316,5 @@ def intents(max_ops: int) -> st.SearchStrategy[list]:
 
 def programs(shape: Shape, max_ops: int = 16, config: Config | None = None) -> st.SearchStrategy[Program]:
     """Valid training-loop programs for a model of this shape (``config`` fixes the sharding)."""
-    cfg = st.just(config) if config is not None else configs()
+    cfg = st.just(config) if config is not None else configs(shape)
     return st.builds(lambda c, i: normalise(i, shape, c), cfg, intents(max_ops))

@@ -27,8 +27,8 @@ import sys
 import traceback
 
 from paramfsm.verify.ops import (
-    PENALTY_WEIGHT, Backward, Checkpoint, Clip, Drop, Flush, Forward, FullState, Gathered, Loss, Overflow, Penalty,
-    Program, RequiresGrad, Step, Unscale, ZeroGrad,
+    PENALTY_WEIGHT, Backward, Checkpoint, Clip, Drop, Flush, Forward, FullState, Gathered, GradSync, Loss, NoSync,
+    Overflow, Penalty, Program, RequiresGrad, Step, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.loop_helpers import SCALER
 
@@ -61,6 +61,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         "(gradients, parameters, states, communication), as `paramfsm verify` does. The script prints the",
         "failed check and exits 1 while the bug is present, and exits 0 once it is fixed.",
         '"""',
+        *(["import contextlib"] if "NoSync" in used else []),
         "import sys",
         *(["from math import inf"] if "Clip" in used else []),
         "",
@@ -97,6 +98,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
           if scaled else []),
         f"    check.attach(rt{', scaler' if scaled else ''})",
         "    opt = subject.optimizer(rt.shard_parameters())",
+        *(["    window = contextlib.ExitStack()  # a rt.no_sync() window spanning several ops"]
+          if "NoSync" in used else []),
         "",
         "    def batch(i):",
         '        """This rank\'s share of global batch i (identical data on every rank)."""',
@@ -128,9 +131,12 @@ def _shard_lines(program: Program, meta: bool = False) -> list[str]:
     c = program.config
     dtype = (f", param_dtype=torch.{c.param_dtype}, reduce_dtype=torch.float32" if c.param_dtype else "")
     device = ", device=next(reference.parameters()).device" if meta else ""
+    kept = c.reshard_after_forward
+    reshard = ("" if kept is True else f", reshard_after_forward={kept}" if kept is False else
+               f",\n                        reshard_after_forward=lambda name, module: name not in {kept!r}")
     return [f"    rt = paramfsm.shard(model, units=subject.units, retain={c.retain!r}, prefetch={c.prefetch}, "
             f"bucket_bytes={c.bucket_bytes},",
-            f"                        max_deferred_bytes={c.max_deferred_bytes}, trace=True{dtype}{device})"]
+            f"                        max_deferred_bytes={c.max_deferred_bytes}, trace=True{dtype}{device}{reshard})"]
 
 
 def _batch_line(batch: int, seen: set[int]) -> list[str]:
@@ -208,6 +214,13 @@ def _render_training_op(op) -> list[str]:
                 "rt.load_full_state_dict(perturbed(rt.full_state_dict()))", "paramfsm.checkpoint.load(rt, path)"]
     if isinstance(op, RequiresGrad):
         return [f"model.get_parameter({op.param!r}).requires_grad_({op.flag})"]
+    if isinstance(op, NoSync):
+        return ["window.enter_context(rt.no_sync())  # until the NoSync(enter=False) op"] if op.enter else [
+            "window.close()  # leaves rt.no_sync()"]
+    if isinstance(op, GradSync):
+        return [f"rt.set_requires_gradient_sync({op.flag})"]
+    if isinstance(op, SyncGradients):
+        return ["rt.sync_gradients()"]
     raise TypeError(f"not a program op: {op!r}")
 
 

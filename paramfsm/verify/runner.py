@@ -18,7 +18,12 @@ After every op (see :mod:`paramfsm.verify.checks`):
   under ``retain="defer"`` while the program still references a graph; after
   ``rt.flush()``, and after a backward without ``retain_graph`` when no
   retained graph is alive, nothing is deferred;
-- shards and shard gradients equal this rank's slice of the reference;
+- shards and shard gradients equal this rank's slice of the reference (the
+  gradients kept under ``rt.no_sync`` left out until the program synchronises
+  them, after which nothing may still be kept; a backward with sync off
+  reduce-scatters nothing: :mod:`paramfsm.verify.sync_checks`);
+- a forward that records a graph leaves the units ``reshard_after_forward``
+  keeps held for its backward; one that records none leaves nothing held;
 - gathered data is the current parameter (inside ``rt.gathered`` and while no
   optimizer step happened since the last forward);
 - communication counts are sane: a backward that finds every parameter
@@ -38,6 +43,7 @@ collective.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 import traceback
@@ -53,11 +59,13 @@ from paramfsm.verify import faults
 from paramfsm.verify.checker import Checker, Failed, Rejected, agree
 from paramfsm.verify.mirror import loss_of, penalised
 from paramfsm.verify.ops import (
-    Backward, Checkpoint, Clip, Drop, Flush, Forward, FullState, Gathered, Loss, Overflow, Penalty, Program,
-    RequiresGrad, Step, Unscale, ZeroGrad,
+    Backward, Checkpoint, Clip, Drop, Flush, Forward, FullState, Gathered, GradSync, Loss, NoSync, Overflow, Penalty,
+    Program, RequiresGrad, Step, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
-from paramfsm.verify.loop_helpers import SCALER, compute_dtype, force_overflow, perturbed, reentrant_blocks
+from paramfsm.verify.loop_helpers import (
+    SCALER, compute_dtype, force_overflow, perturbed, reentrant_blocks, reshard_policy,
+)
 
 
 @attrs.frozen(slots=True)
@@ -102,6 +110,7 @@ class Run:
         self.rt = paramfsm.shard(self.model, group=group, units=subject.units, retain=c.retain, prefetch=c.prefetch,
                                  bucket_bytes=c.bucket_bytes, max_deferred_bytes=c.max_deferred_bytes,
                                  trace=True, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
+                                 reshard_after_forward=reshard_policy(c),
                                  device=next(reference.parameters()).device if reference is not None else None)
         initialise(self.rt, subject, options.seed)
         self.scaler = paramfsm.amp.GradScaler(self.rt, **SCALER) if c.scaled else None
@@ -109,6 +118,7 @@ class Run:
         self.opt = subject.optimizer(self.rt.shard_parameters())
         self.outs: dict = {}
         self.losses: dict = {}
+        self.window = contextlib.ExitStack()  # an open rt.no_sync() window (NoSync ops)
 
     def _inputs(self, batch: int):
         return self.check.batch(batch)[0][self.rank]
@@ -190,6 +200,15 @@ class Run:
             paramfsm.checkpoint.load(rt, path)
         elif isinstance(op, RequiresGrad):
             self.model.get_parameter(op.param).requires_grad_(op.flag)
+        elif isinstance(op, NoSync):
+            if op.enter:
+                self.window.enter_context(rt.no_sync())
+            else:
+                self.window.close()
+        elif isinstance(op, GradSync):
+            rt.set_requires_gradient_sync(op.flag)
+        elif isinstance(op, SyncGradients):
+            rt.sync_gradients()
 
     def execute(self) -> Outcome:
         start = time.perf_counter()

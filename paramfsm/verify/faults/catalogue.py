@@ -39,6 +39,7 @@ from paramfsm.engine.executor import Executor
 from paramfsm.engine.on_demand import OnDemandHandlers
 from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.engine.scheduler import Scheduler
+from paramfsm.verify.faults.accumulation import ACCUMULATION
 from paramfsm.verify.faults.patching import patched as _patched
 from paramfsm.verify.faults.training import (
     checkpoint_offset_unpadded, clip_without_clamp, found_inf_not_agreed, scale_not_backpropagated,
@@ -362,6 +363,7 @@ CATALOGUE: tuple[Fault, ...] = (
           "registered external parameters are not partitioned after the module finishes), DeepSpeed #930",
           "memory", _on_demand_never_released,
           subject=EXPERTS),
+    *(Fault(*entry) for entry in ACCUMULATION),  # gradient accumulation and reshard_after_forward
 )
 
 FAULTS: dict[str, Fault] = {fault.name: fault for fault in CATALOGUE}
