@@ -118,12 +118,15 @@ def pack_grads(
 
     ``grads[i]`` is a contiguous tensor with ``n_i`` elements or ``None`` (zeros);
     ``out`` is 1-D with ``world * sum(shard_numels)`` elements. Padding is written
-    as zeros and values are cast to ``out.dtype``. Returns ``out``.
+    as zeros and values are cast to ``out.dtype``. Returns ``out``. On the CPU,
+    non-empty gradients of ``out``'s dtype are packed by one ``torch._chunk_cat``
+    (:func:`~paramfsm.engine.kernels.torch_impl.pack_grads_chunked`).
     """
     if out.is_cuda and kernels_available():
         return cupy_impl.pack_grads(grads, shard_numels, world, out)
-    if not out.is_cuda and len(grads) >= torch_impl.MANY_PARAMS and all(g is not None for g in grads):
-        layout = shard_layout(tuple(g.numel() for g in grads), world)
-        if layout.shard_numels == tuple(shard_numels) and out.numel() == layout.gathered_numel:
-            return torch_impl.pack_grads_flat(grads, layout, out)
+    dtype = out.dtype
+    if not out.is_cuda and grads and all(g is not None and g.dtype == dtype and g.numel() for g in grads):
+        layout = shard_layout(tuple([g.numel() for g in grads]), world)
+        if layout.shard_numels == tuple(shard_numels) and out.dim() == 1 and out.numel() == layout.gathered_numel:
+            return torch_impl.pack_grads_chunked(grads, world, out)
     return torch_impl.pack_grads(grads, shard_numels, world, out)

@@ -21,10 +21,10 @@ from torch import Tensor
 
 from .layout import check_buffer, shard_layout
 
-__all__ = ["pack_shards", "unpack_gathered", "pack_grads", "unpack_gathered_flat", "pack_grads_flat",
+__all__ = ["pack_shards", "unpack_gathered", "pack_grads", "unpack_gathered_flat", "pack_grads_chunked",
            "element_index"]
 
-#: From this many parameters on, one index_select / index_copy_ over the whole bucket beats
+#: From this many parameters on, one index_select over the whole bucket beats
 #: one copy per parameter (per-op dispatch dominates for small parameters).
 MANY_PARAMS = 16
 
@@ -154,11 +154,14 @@ def unpack_gathered_flat(gathered: Tensor, layout, out: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def pack_grads_flat(grads: Sequence[Tensor], layout, out: Tensor) -> Tensor:
-    """Inverse of :func:`unpack_gathered_flat` for gradients: one cat, one index_copy_."""
-    src = torch.cat([g.view(-1) if g.is_contiguous() else g.reshape(-1) for g in grads])
-    if src.dtype != out.dtype:
-        src = src.to(out.dtype)
-    if sum(layout.numels) != out.numel():
-        out.zero_()
-    return out.index_copy_(0, element_index(layout), src)
+def pack_grads_chunked(grads: Sequence[Tensor], world: int, out: Tensor) -> Tensor:
+    """:func:`pack_grads` in one ``torch._chunk_cat`` (FSDP2's packing): each flattened gradient is cut
+    into ``world`` chunks of ``ceil(n_i / world)`` elements, the last ones padded with zeros, and chunk
+    ``r`` of every gradient lands in row ``r`` of ``out`` viewed ``[world, S]``.
+
+    Every gradient must be non-empty and of ``out``'s dtype (the caller checks); no per-gradient
+    views, copies or zero fills in Python.
+    """
+    torch._chunk_cat([g.view(-1) if g.is_contiguous() else g.reshape(-1) for g in grads], 0, world,
+                     out=out.view(world, -1))
+    return out
