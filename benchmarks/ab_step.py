@@ -1,8 +1,8 @@
 """A/B of paramfsm's step time between two checkouts, interleaved in one run.
 
 Each checkout (A: ``--base``, a directory holding another version's ``paramfsm/``
-and ``specs/``, e.g. ``git archive REV paramfsm specs | tar -x -C DIR``; B: this
-checkout) gets a server process with its own rank pools (world 1 and world 2)
+and ``specs/``, e.g. ``git archive REV paramfsm specs | tar -x -C DIR``; B:
+``--head``, by default this checkout) gets a server process with its own rank pools (world 1 and world 2)
 that imports paramfsm from that checkout and the jobs of
 :mod:`step_overhead` from this one, so both run the same models and loops.
 Every measurement is taken from A and from B back to back (their order
@@ -16,7 +16,7 @@ Jobs: ``w1`` (world 1), ``w2`` (world 2), ``w2s`` (world 2,
 in B's server only, for the ratio to FSDP2). The last column, B/A, is the
 A/B figure of the change between the two checkouts.
 
-    python benchmarks/ab_step.py --base /tmp/base [--models a t] [--jobs w1 w2 w2s] [--rounds 3]
+    python benchmarks/ab_step.py --base /tmp/base [--head /tmp/head] [--models a t] [--jobs w1 w2 w2s] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -85,13 +85,15 @@ class Server:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, required=True, help="checkout A (holds paramfsm/ and specs/)")
+    parser.add_argument("--head", type=Path, default=HERE.parent,
+                        help="checkout B (default: this one; a copy keeps edits made during the run out of it)")
     parser.add_argument("--models", nargs="+", default=["a", "t"], choices=["a", "b", "t"])
     parser.add_argument("--jobs", nargs="+", default=["w1", "w2", "w2s"], choices=["w1", "w2", "w2s", "fsdp2"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
-    servers = {"A": Server(args.base.resolve()), "B": Server(HERE.parent)}
+    servers = {"A": Server(args.base.resolve()), "B": Server(args.head.resolve())}
     times: dict = {}
     try:
         for round_ in range(args.rounds):
