@@ -226,6 +226,21 @@ def test_chunked_grad_packing_matches_reference(numels, world, dtype, seed, tran
     assert_bits_equal(out, expected)
 
 
+@given(numels=st.lists(numel_st, min_size=1, max_size=40), world=world_st, dtype=dtype_st, seed=seed_st)
+@settings(max_examples=40, deadline=None)
+def test_unpack_to_views_matches_reference(numels, world, dtype, seed):
+    """A gathered bucket unpacked into one buffer (one split_with_sizes_copy, or one index_select for
+    many small parameters): every view holds its parameter's value, with its shape, contiguous."""
+    params = make_params(numels, dtype, seed)
+    layout = shard_layout(numels, world)
+    gathered = naive_collective_buffer(params, numels, world, dtype)
+    views = kernels.unpack_to_views(gathered, layout, [p.shape for p in params])
+    assert len(views) == len(params)
+    for view, param in zip(views, params):
+        assert view.shape == param.shape and view.is_contiguous()
+        assert_bits_equal(view, param)
+
+
 def test_size_mismatches_raise():
     with pytest.raises(ValueError):
         torch_impl.unpack_gathered(torch.zeros(8), [torch.zeros(5)], [2], 3)

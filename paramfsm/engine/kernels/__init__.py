@@ -87,15 +87,24 @@ def unpack_gathered(
 def unpack_to_views(gathered: Tensor, layout: ShardLayout, shapes: Sequence[torch.Size]) -> list[Tensor]:
     """Unpack a gathered bucket into ONE new buffer and return each parameter's full tensor as a view.
 
-    One allocation per bucket instead of one per parameter. On the CPU, a
-    bucket of many parameters is unpacked by a single ``index_select``.
+    One allocation per bucket instead of one per parameter. On the CPU, one op
+    unpacks the whole bucket: an ``index_select`` when it holds many small
+    parameters (below :data:`~paramfsm.engine.kernels.torch_impl.SMALL_NUMEL`
+    elements on average), else a ``torch.split_with_sizes_copy`` into a buffer
+    of the parameters' padded values in turn
+    (:func:`~paramfsm.engine.kernels.torch_impl.unpack_padded_views`).
     """
+    strides = [_contiguous_strides(shape) for shape in shapes]
+    if not gathered.is_cuda:
+        many = len(shapes) >= torch_impl.MANY_PARAMS
+        if not many or sum(layout.numels) >= len(shapes) * torch_impl.SMALL_NUMEL:
+            return torch_impl.unpack_padded_views(gathered, layout, shapes, strides)
     flat = torch.empty(sum(layout.numels), dtype=gathered.dtype, device=gathered.device)
     views, offset = [], 0
-    for numel, shape in zip(layout.numels, shapes):
-        views.append(flat.as_strided(shape, _contiguous_strides(shape), offset))
+    for numel, shape, stride in zip(layout.numels, shapes, strides):
+        views.append(flat.as_strided(shape, stride, offset))
         offset += numel
-    if not gathered.is_cuda and len(shapes) >= torch_impl.MANY_PARAMS:
+    if not gathered.is_cuda:
         torch_impl.unpack_gathered_flat(gathered, layout, flat)
     else:
         unpack_gathered(gathered, views, layout.shard_numels, layout.world)

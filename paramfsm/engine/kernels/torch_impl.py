@@ -21,12 +21,16 @@ from torch import Tensor
 
 from .layout import check_buffer, shard_layout
 
-__all__ = ["pack_shards", "unpack_gathered", "pack_grads", "unpack_gathered_flat", "pack_grads_chunked",
-           "element_index"]
+__all__ = ["pack_shards", "unpack_gathered", "pack_grads", "unpack_gathered_flat", "unpack_padded_views",
+           "pack_grads_chunked", "element_index"]
 
 #: From this many parameters on, one index_select over the whole bucket beats
 #: one copy per parameter (per-op dispatch dominates for small parameters).
 MANY_PARAMS = 16
+#: ... as long as they average fewer elements than this; larger ones unpack faster by one
+#: ``split_with_sizes_copy`` (measured at world 2 on the CPU: 32 x 1,024 elements 178 us against
+#: 227 us; 32 x 256, 230 us against 71 us).
+SMALL_NUMEL = 1024
 
 
 def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
@@ -86,6 +90,22 @@ def unpack_gathered(
             dsts.append(flat[rows * s :])
             srcs.append(block[rows, :rem])
     _copy_all(dsts, srcs)
+
+
+@torch.no_grad()
+def unpack_padded_views(gathered: Tensor, layout, shapes: Sequence, strides: Sequence) -> list[Tensor]:
+    """A ``[rank][param-shard]`` buffer unpacked by one ``torch.split_with_sizes_copy`` (FSDP2's
+    copy-out) into a new buffer that holds each parameter's padded value in turn (``world * s_i``
+    elements from ``world * offsets[i]``); parameter ``i`` is the view of its first ``n_i`` elements,
+    with ``shapes[i]`` and ``strides[i]``. No per-parameter copies: two views per parameter, one op.
+    """
+    world = layout.world
+    padded = torch.empty(gathered.numel(), dtype=gathered.dtype, device=gathered.device)
+    starts = [world * offset for offset in layout.offsets]
+    torch.split_with_sizes_copy(gathered.view(world, layout.total), layout.shard_numels, dim=1,
+                                out=[padded.as_strided((world, s), (s, 1), start)
+                                     for s, start in zip(layout.shard_numels, starts)])
+    return [padded.as_strided(shape, stride, start) for shape, stride, start in zip(shapes, strides, starts)]
 
 
 @torch.no_grad()
