@@ -13,8 +13,10 @@ own plain figure.
 
 Jobs: ``w1`` (world 1), ``w2`` (world 2), ``w2s`` (world 2,
 ``units=paramfsm.by_size(1 MiB)``), ``fsdp2`` (PyTorch FSDP2, world 2: measured
-in B's server only, for the ratio to FSDP2). The last column, B/A, is the
-A/B figure of the change between the two checkouts.
+in B's server only, for the ratio to FSDP2). B/A is the A/B figure of the
+change between the two checkouts: the ratio of the medians, and "paired", the
+median over rounds of each round's B / A (the two taken back to back, so it
+cancels drift between rounds best).
 
     python benchmarks/ab_step.py --base /tmp/base [--head /tmp/head] [--models a t] [--jobs w1 w2 w2s] [--rounds 3]
 """
@@ -108,14 +110,16 @@ def main(argv=None) -> int:
         for server in servers.values():
             server.close()
     med = {key: statistics.median(values) for key, values in times.items()}
-    print(f"{'model':<7}{'job':<7}{'A ms':>10}{'B ms':>10}{'A/plain':>9}{'B/plain':>9}{'B/A':>7}")
+    print(f"{'model':<7}{'job':<7}{'A ms':>10}{'B ms':>10}{'A/plain':>9}{'B/plain':>9}{'B/A':>7}{'B/A paired':>12}")
     for name in args.models:
         for job in args.jobs:
             if job == "fsdp2":
                 continue
             a, b = med[(name, job, "A")], med[(name, job, "B")]
             pa, pb = med[(name, "plain", "A")], med[(name, "plain", "B")]
-            line = f"({name})    {job:<7}{a * 1e3:>10.2f}{b * 1e3:>10.2f}{a / pa:>9.2f}{b / pb:>9.2f}{b / a:>7.3f}"
+            paired = statistics.median(tb / ta for ta, tb in zip(times[(name, job, "A")], times[(name, job, "B")]))
+            line = (f"({name})    {job:<7}{a * 1e3:>10.2f}{b * 1e3:>10.2f}{a / pa:>9.2f}{b / pb:>9.2f}{b / a:>7.3f}"
+                    f"{paired:>12.3f}")
             if "fsdp2" in args.jobs and job == "w2":
                 f2 = med[(name, "fsdp2", "B")]
                 line += f"   FSDP2 {f2 * 1e3:.2f} ms: A/FSDP2 {a / f2:.2f}, B/FSDP2 {b / f2:.2f}"
