@@ -207,6 +207,40 @@ def test_pack_grads_padding_is_zero_for_tiny_params():
     assert_bits_equal(out, expected)
 
 
+@given(numels=st.lists(st.one_of(st.integers(1, 40), st.integers(41, 600)), min_size=1, max_size=24),
+       world=st.integers(2, 5), dtype=dtype_st, seed=seed_st, transposed=st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_chunked_grad_packing_matches_reference(numels, world, dtype, seed, transposed):
+    """The one-op packing (torch._chunk_cat) that the dispatcher takes on the CPU when every gradient
+    is non-empty and of the buffer's dtype: the same bits as the per-rank reference, zero padding."""
+    grads = make_params(numels, dtype, seed)
+    if transposed:  # a non-contiguous gradient is flattened in its logical order
+        grads = [g.reshape(2, -1).t() if g.numel() % 2 == 0 else g for g in grads]
+    layout = shard_layout(numels, world)
+    expected = naive_collective_buffer(grads, numels, world, dtype)
+    out = nan_filled(layout.gathered_numel, dtype)
+    assert torch_impl.pack_grads_chunked(grads, world, out) is out
+    assert_bits_equal(out, expected)
+    out = nan_filled(layout.gathered_numel, dtype)
+    assert kernels.pack_grads(grads, layout.shard_numels, world, out) is out
+    assert_bits_equal(out, expected)
+
+
+@given(numels=st.lists(numel_st, min_size=1, max_size=40), world=world_st, dtype=dtype_st, seed=seed_st)
+@settings(max_examples=40, deadline=None)
+def test_unpack_to_views_matches_reference(numels, world, dtype, seed):
+    """A gathered bucket unpacked into one buffer (one split_with_sizes_copy, or one index_select for
+    many small parameters): every view holds its parameter's value, with its shape, contiguous."""
+    params = make_params(numels, dtype, seed)
+    layout = shard_layout(numels, world)
+    gathered = naive_collective_buffer(params, numels, world, dtype)
+    views = kernels.unpack_to_views(gathered, layout, [p.shape for p in params])
+    assert len(views) == len(params)
+    for view, param in zip(views, params):
+        assert view.shape == param.shape and view.is_contiguous()
+        assert_bits_equal(view, param)
+
+
 def test_size_mismatches_raise():
     with pytest.raises(ValueError):
         torch_impl.unpack_gathered(torch.zeros(8), [torch.zeros(5)], [2], 3)

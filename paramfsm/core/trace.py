@@ -17,8 +17,9 @@ This module imports neither ``torch`` nor ``cupy``.
 
 from __future__ import annotations
 
+import bisect
 import json
-from collections import deque
+from operator import itemgetter
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -92,7 +93,7 @@ class Trace:
         self._loaded: list[TraceRecord] = list(records)
         self._done: list[TraceRecord] = []  # materialised raw entries (unbounded mode)
         self._done_raw = 0  # raw entries materialised into _done
-        self._raw: deque | list = deque() if limit is not None else []
+        self._raw: list = []  # raw entries, oldest first (a ring drops a block of old ones at a time)
         # Entries name records by number: [Note: entries the collector never sees].
         self._keys: dict = {}  # record -> its number
         self._lifetimes: list = []  # number -> record
@@ -183,8 +184,11 @@ class Trace:
             self._next_trim = self._seq + STREAM_BATCH
             return
         raw, start = self._raw, self._seq - self.limit
-        while len(raw) > 1 and raw[1][0] <= start:
-            raw.popleft()
+        # The last entry that starts at or before the window keeps its place (a unit's entry may
+        # straddle the window's start); everything older goes in one slice deletion (a memmove).
+        keep_from = bisect.bisect_right(raw, start, key=_entry_seq) - 1
+        if keep_from > 0:
+            del raw[:keep_from]
         self._next_trim = self._seq + self.limit
 
     def _record(self, e) -> TraceRecord:
@@ -311,6 +315,7 @@ class Trace:
 
 
 _RESTING = State.NOT_AVAILABLE.name
+_entry_seq = itemgetter(0)  # a raw entry's seq
 _STATES = {state.name: state for state in State}
 #: Groups of records whose numbers a trace remembers (a bound, so odd groups cannot grow it for ever).
 _GROUPS_KEPT = 4096

@@ -126,6 +126,12 @@ def _on(tensor: torch.Tensor, wait: Callable | None) -> Callable:
     return wait if wait is not None and tensor.device.type == "cpu" else _plain_wait
 
 
+#: ``with coalesced():`` hands the point-to-point exchanges issued inside to the exchange thread at once
+#: (see [Note: a bucket's exchanges are posted together] in :mod:`paramfsm.engine.exchange`); other
+#: collectives are issued as before.
+coalesced = exchange.coalesced
+
+
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):
     """All-gather ``inp`` (S elements) from every rank into ``out`` (world*S, rank-major).
 

@@ -39,10 +39,23 @@ point-to-point exchanges go through the thread; collectives, whose pairing is
 their order, stay on the caller's. Measured on the same model (median step,
 best of 3 rounds, three runs): 0.59x, 0.56x and 0.54x FSDP2 posted on the thread,
 against 0.64x and 0.60x (two runs) posted by the caller.
+
+[Note: a bucket's exchanges are posted together]
+A bucket whose large parameters are gathered in place (see [Note: a large
+parameter is gathered in place] in :mod:`paramfsm.engine.gathers`) issues one
+exchange per such parameter and one for the packed rest: five for a GPT
+block. Handing each to the thread on its own costs a wake-up of the thread
+(and, on a busy machine, a switch to it) per exchange. Inside
+:func:`coalesced`, exchanges are collected instead and handed over in one
+submission when the block ends; each keeps its own tag (taken in program
+order, as before) and its own handle, and the thread posts them in the
+order they were made. Nothing else changes: the same messages, the same
+order, and ``wait`` on each handle as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -112,31 +125,59 @@ class _Issuer:
 
     def __init__(self):
         self._queue: queue.SimpleQueue | None = None
+        self._local = threading.local()  # .held: submissions collected by coalesced(), per calling thread
         os.register_at_fork(after_in_child=self._forget)  # a forked child starts without the thread
 
     def _forget(self) -> None:
         self._queue = None
+        self._local = threading.local()
 
     def submit(self, ops) -> Future:
         """Post ``ops`` ((isend or irecv, tensor, global peer, group, tag), ...) on the thread."""
+        posted: Future = Future()
+        held = getattr(self._local, "held", None)
+        if held is not None:
+            held.append((ops, posted))
+        else:
+            self._hand_over([(ops, posted)])
+        return posted
+
+    def _hand_over(self, jobs: list) -> None:
         if self._queue is None:
             self._queue = queue.SimpleQueue()
             threading.Thread(target=self._run, args=(self._queue,), name="paramfsm-exchange", daemon=True).start()
-        posted: Future = Future()
-        self._queue.put((ops, posted))
-        return posted
+        self._queue.put(jobs)
+
+    @contextlib.contextmanager
+    def coalesced(self):
+        """Collect the exchanges submitted inside the block; hand them over together at its end (see
+        [Note: a bucket's exchanges are posted together]). Nested blocks hand over at the outermost."""
+        local = self._local
+        if getattr(local, "held", None) is not None:
+            yield
+            return
+        local.held = held = []
+        try:
+            yield
+        finally:
+            local.held = None
+            if held:
+                self._hand_over(held)
 
     @staticmethod
     def _run(jobs: queue.SimpleQueue) -> None:
         while True:
-            ops, posted = jobs.get()
-            try:
-                posted.set_result([post(tensor, peer, group, tag) for post, tensor, peer, group, tag in ops])
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                posted.set_exception(exc)
+            for ops, posted in jobs.get():
+                try:
+                    posted.set_result([post(tensor, peer, group, tag) for post, tensor, peer, group, tag in ops])
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                    posted.set_exception(exc)
 
 
 _issuer = _Issuer()
+#: ``with coalesced():`` posts the exchanges made inside as one submission (see [Note: a bucket's
+#: exchanges are posted together]).
+coalesced = _issuer.coalesced
 
 
 class Exchange:

@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 
 from paramfsm.engine import kernels, rankcheck
-from paramfsm.engine.collectives import all_gather_flat
+from paramfsm.engine.collectives import all_gather_flat, coalesced
 from paramfsm.engine.inflight import Gather
 from paramfsm.engine.streams import GATHER
 
@@ -144,18 +144,19 @@ class Gathers:
     def _issue_gather(self, gather: Gather, shards, dtype):
         """Gather-lane work: issue the in-place all-gathers, pack and issue the rest; on a device also
         wait and unpack there."""
-        if gather.in_place is not None:
-            gather.direct = [
-                all_gather_flat(self._persistent(rec, rec.shard).view(-1), rec.shard.detach(), self.group,
-                                async_op=True)
-                for rec, direct in zip(gather.records, gather.in_place) if direct]
-        layout = gather.layout
-        if layout is not None:
-            device = shards[0].device
-            send = torch.empty(layout.total, dtype=dtype, device=device)
-            kernels.pack_shards(shards, send)
-            gather.recv = torch.empty(layout.total * self.world, dtype=dtype, device=device)
-            gather.work = all_gather_flat(gather.recv, send, self.group, async_op=True)
+        with coalesced():  # one hand-over to the exchange thread: [Note: a bucket's exchanges are posted together]
+            if gather.in_place is not None:
+                gather.direct = [
+                    all_gather_flat(self._persistent(rec, rec.shard).view(-1), rec.shard.detach(), self.group,
+                                    async_op=True)
+                    for rec, direct in zip(gather.records, gather.in_place) if direct]
+            layout = gather.layout
+            if layout is not None:
+                device = shards[0].device
+                send = torch.empty(layout.total, dtype=dtype, device=device)
+                kernels.pack_shards(shards, send)
+                gather.recv = torch.empty(layout.total * self.world, dtype=dtype, device=device)
+                gather.work = all_gather_flat(gather.recv, send, self.group, async_op=True)
         return self._finish_gather(gather) if self.streams.asynchronous else None
 
     def wait_gather(self, gather: Gather) -> None:

@@ -87,15 +87,24 @@ def unpack_gathered(
 def unpack_to_views(gathered: Tensor, layout: ShardLayout, shapes: Sequence[torch.Size]) -> list[Tensor]:
     """Unpack a gathered bucket into ONE new buffer and return each parameter's full tensor as a view.
 
-    One allocation per bucket instead of one per parameter. On the CPU, a
-    bucket of many parameters is unpacked by a single ``index_select``.
+    One allocation per bucket instead of one per parameter. On the CPU, one op
+    unpacks the whole bucket: an ``index_select`` when it holds many small
+    parameters (below :data:`~paramfsm.engine.kernels.torch_impl.SMALL_NUMEL`
+    elements on average), else a ``torch.split_with_sizes_copy`` into a buffer
+    of the parameters' padded values in turn
+    (:func:`~paramfsm.engine.kernels.torch_impl.unpack_padded_views`).
     """
+    strides = [_contiguous_strides(shape) for shape in shapes]
+    if not gathered.is_cuda:
+        many = len(shapes) >= torch_impl.MANY_PARAMS
+        if not many or sum(layout.numels) >= len(shapes) * torch_impl.SMALL_NUMEL:
+            return torch_impl.unpack_padded_views(gathered, layout, shapes, strides)
     flat = torch.empty(sum(layout.numels), dtype=gathered.dtype, device=gathered.device)
     views, offset = [], 0
-    for numel, shape in zip(layout.numels, shapes):
-        views.append(flat.as_strided(shape, _contiguous_strides(shape), offset))
+    for numel, shape, stride in zip(layout.numels, shapes, strides):
+        views.append(flat.as_strided(shape, stride, offset))
         offset += numel
-    if not gathered.is_cuda and len(shapes) >= torch_impl.MANY_PARAMS:
+    if not gathered.is_cuda:
         torch_impl.unpack_gathered_flat(gathered, layout, flat)
     else:
         unpack_gathered(gathered, views, layout.shard_numels, layout.world)
@@ -118,12 +127,15 @@ def pack_grads(
 
     ``grads[i]`` is a contiguous tensor with ``n_i`` elements or ``None`` (zeros);
     ``out`` is 1-D with ``world * sum(shard_numels)`` elements. Padding is written
-    as zeros and values are cast to ``out.dtype``. Returns ``out``.
+    as zeros and values are cast to ``out.dtype``. Returns ``out``. On the CPU,
+    non-empty gradients of ``out``'s dtype are packed by one ``torch._chunk_cat``
+    (:func:`~paramfsm.engine.kernels.torch_impl.pack_grads_chunked`).
     """
     if out.is_cuda and kernels_available():
         return cupy_impl.pack_grads(grads, shard_numels, world, out)
-    if not out.is_cuda and len(grads) >= torch_impl.MANY_PARAMS and all(g is not None for g in grads):
-        layout = shard_layout(tuple(g.numel() for g in grads), world)
-        if layout.shard_numels == tuple(shard_numels) and out.numel() == layout.gathered_numel:
-            return torch_impl.pack_grads_flat(grads, layout, out)
+    dtype = out.dtype
+    if not out.is_cuda and grads and all(g is not None and g.dtype == dtype and g.numel() for g in grads):
+        layout = shard_layout(tuple([g.numel() for g in grads]), world)
+        if layout.shard_numels == tuple(shard_numels) and out.dim() == 1 and out.numel() == layout.gathered_numel:
+            return torch_impl.pack_grads_chunked(grads, world, out)
     return torch_impl.pack_grads(grads, shard_numels, world, out)

@@ -21,12 +21,16 @@ from torch import Tensor
 
 from .layout import check_buffer, shard_layout
 
-__all__ = ["pack_shards", "unpack_gathered", "pack_grads", "unpack_gathered_flat", "pack_grads_flat",
-           "element_index"]
+__all__ = ["pack_shards", "unpack_gathered", "pack_grads", "unpack_gathered_flat", "unpack_padded_views",
+           "pack_grads_chunked", "element_index"]
 
-#: From this many parameters on, one index_select / index_copy_ over the whole bucket beats
+#: From this many parameters on, one index_select over the whole bucket beats
 #: one copy per parameter (per-op dispatch dominates for small parameters).
 MANY_PARAMS = 16
+#: ... as long as they average fewer elements than this; larger ones unpack faster by one
+#: ``split_with_sizes_copy`` (measured at world 2 on the CPU: 32 x 1,024 elements 178 us against
+#: 227 us; 32 x 256, 230 us against 71 us).
+SMALL_NUMEL = 1024
 
 
 def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
@@ -86,6 +90,22 @@ def unpack_gathered(
             dsts.append(flat[rows * s :])
             srcs.append(block[rows, :rem])
     _copy_all(dsts, srcs)
+
+
+@torch.no_grad()
+def unpack_padded_views(gathered: Tensor, layout, shapes: Sequence, strides: Sequence) -> list[Tensor]:
+    """A ``[rank][param-shard]`` buffer unpacked by one ``torch.split_with_sizes_copy`` (FSDP2's
+    copy-out) into a new buffer that holds each parameter's padded value in turn (``world * s_i``
+    elements from ``world * offsets[i]``); parameter ``i`` is the view of its first ``n_i`` elements,
+    with ``shapes[i]`` and ``strides[i]``. No per-parameter copies: two views per parameter, one op.
+    """
+    world = layout.world
+    padded = torch.empty(gathered.numel(), dtype=gathered.dtype, device=gathered.device)
+    starts = [world * offset for offset in layout.offsets]
+    torch.split_with_sizes_copy(gathered.view(world, layout.total), layout.shard_numels, dim=1,
+                                out=[padded.as_strided((world, s), (s, 1), start)
+                                     for s, start in zip(layout.shard_numels, starts)])
+    return [padded.as_strided(shape, stride, start) for shape, stride, start in zip(shapes, strides, starts)]
 
 
 @torch.no_grad()
@@ -154,11 +174,14 @@ def unpack_gathered_flat(gathered: Tensor, layout, out: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def pack_grads_flat(grads: Sequence[Tensor], layout, out: Tensor) -> Tensor:
-    """Inverse of :func:`unpack_gathered_flat` for gradients: one cat, one index_copy_."""
-    src = torch.cat([g.view(-1) if g.is_contiguous() else g.reshape(-1) for g in grads])
-    if src.dtype != out.dtype:
-        src = src.to(out.dtype)
-    if sum(layout.numels) != out.numel():
-        out.zero_()
-    return out.index_copy_(0, element_index(layout), src)
+def pack_grads_chunked(grads: Sequence[Tensor], world: int, out: Tensor) -> Tensor:
+    """:func:`pack_grads` in one ``torch._chunk_cat`` (FSDP2's packing): each flattened gradient is cut
+    into ``world`` chunks of ``ceil(n_i / world)`` elements, the last ones padded with zeros, and chunk
+    ``r`` of every gradient lands in row ``r`` of ``out`` viewed ``[world, S]``.
+
+    Every gradient must be non-empty and of ``out``'s dtype (the caller checks); no per-gradient
+    views, copies or zero fills in Python.
+    """
+    torch._chunk_cat([g.view(-1) if g.is_contiguous() else g.reshape(-1) for g in grads], 0, world,
+                     out=out.view(world, -1))
+    return out
