@@ -9,6 +9,8 @@ of a world of 1.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from one_rank import one_rank  # noqa: F401  (fixture)
@@ -131,27 +133,33 @@ def test_state_of_full_parameters_is_refused_and_kept(one_rank):
     weight = model[0].weight
     rt = paramfsm.shard(model)
     try:
-        with pytest.raises(OptimizerStateMismatch, match=r"Adam holds state \['exp_avg', 'exp_avg_sq'\] for the "
-                                                         r"full parameter '0.weight' \(shape \(6, 4\)\), but "
-                                                         r"paramfsm steps its shard \(shape \(24,\)\)"):
+        with pytest.raises(OptimizerStateMismatch, match=re.escape(
+                "Adam holds state ['exp_avg', 'exp_avg_sq'] for the full parameter '0.weight' (shape (6, 4)), "
+                "but paramfsm steps its shard (shape (24,)). It stepped before paramfsm.shard partitioned the "
+                "model. What to do: create the optimizer after paramfsm.shard (or before its first step), or "
+                "load its state from a checkpoint of the sharded run (paramfsm.checkpoint).")):
             opt.step()
         assert opt.state[weight]["exp_avg"].shape == (6, 4), "the state stays where it was"
     finally:
         rt.close()
 
 
-@pytest.mark.parametrize("first", ["plain step", "scaler step"])
+@pytest.mark.parametrize("first", ["plain_step", "scaler_step"])
 def test_a_plain_grad_scaler_stepping_shards_is_refused(one_rank, first):
     model = _model()
     rt = paramfsm.shard(model)
     opt = torch.optim.SGD(rt.shard_parameters(), lr=0.1)
     try:
-        if first == "plain step":
+        if first == "plain_step":
             _steps(model, opt, [0])  # the optimizer is scanned: the scaler meets the fast path
         scaler = torch.amp.GradScaler("cpu")
         opt.zero_grad()
         scaler.scale(model(torch.randn(2, 4)).pow(2).mean()).backward()
-        with pytest.raises(ParamFSMError, match="a plain torch.amp.GradScaler is stepping SGD over paramfsm shards"):
+        with pytest.raises(ParamFSMError, match=re.escape(
+                "a plain torch.amp.GradScaler is stepping SGD over paramfsm shards: each rank would decide alone "
+                "whether a gradient overflowed, so ranks could skip different steps and the shards would "
+                "silently diverge. What to do: use paramfsm.amp.GradScaler(rt, ...) (the same API; found_inf "
+                "is agreed across ranks).")):
             scaler.step(opt)
         agreed = paramfsm.amp.GradScaler(rt)
         opt.zero_grad()

@@ -149,7 +149,7 @@ def test_load_full_state_dict_of_a_plain_model(one_rank, tied_keys):
     ("parameter", "'norm.bias': shape (5,) does not match the parameter's (6,) (rank 0)"),
     ("buffer", "'shift': shape (5,) does not match the buffer's (6,) (rank 0)"),
     ("tied", "keys 'embed.weight' and 'head.weight' name one tied parameter but hold different values"),
-])
+], ids=["missing", "parameter", "buffer", "tied"])
 def test_a_bad_full_state_dict_is_refused_before_anything_is_written(one_rank, bad, message):
     model = _model(0)
     rt = paramfsm.shard(model)
@@ -186,7 +186,9 @@ def test_loading_or_saving_while_parameters_are_gathered_is_refused(one_rank, tm
     handle = model.norm.register_forward_pre_hook(inside_forward)
     _loss(model, 0).backward()
     handle.remove()
-    assert len(caught) == 3 and all("between iterations" in text for text in caught)
+    assert len(caught) == 3 and caught[0].endswith("]; call it between iterations")
+    assert all(text.endswith("]; call it between iterations (after the final backward and optimizer step)")
+               for text in caught[1:])
     rt.close()
 
 
@@ -229,7 +231,7 @@ def test_load_sharded_state_dict_copies_and_redistributes(one_rank):
     ("missing", "sharded state dict is missing keys ['norm.bias']"),
     ("plain", "'norm.bias': expected a DTensor of shape (6,) (from rt.sharded_state_dict()), got Tensor (6,)"),
     ("shape", "'norm.bias': expected a DTensor of shape (6,) (from rt.sharded_state_dict()), got DTensor (5,)"),
-])
+], ids=["missing", "plain", "shape"])
 def test_a_bad_sharded_state_dict_is_refused(one_rank, bad, message):
     model = _model(0)
     rt = paramfsm.shard(model)
