@@ -23,6 +23,7 @@ import paramfsm
 from paramfsm import checkpoint, full_state
 from paramfsm.errors import ParamFSMError
 from paramfsm.testing import Reference, assert_close_dicts, sharded_grads, sharded_params
+from paramfsm.testing.models import mlp
 
 VOCAB, DIM = 11, 6
 
@@ -267,13 +268,14 @@ def test_a_checkpoint_resumes_training_like_plain_torch(one_rank, tmp_path):
     fresh = _model(7)
     rt_fresh = paramfsm.shard(fresh)
     opt_fresh = _adamw(rt_fresh.shard_parameters())
-    grads = [None if s.grad is None else s.grad.clone() for s in rt.shard_parameters()]
+    _loss(fresh, 9).backward()  # gradients the load must leave as they are (it steps a fresh optimizer once)
+    grads = {r: [s.grad.clone() for s in r.shard_parameters()] for r in (rt, rt_fresh)}
     try:
         checkpoint.load(rt, tmp_path / "ck", optimizer=opt)
         checkpoint.load(rt_fresh, tmp_path / "ck", optimizer=opt_fresh)
         assert [g["lr"] for o in (opt, opt_fresh) for g in o.param_groups] == [0.05, 0.05]
-        assert all(shard.grad is None for shard in rt_fresh.shard_parameters()), "a load leaves gradients be"
-        assert all(torch.equal(s.grad, g) for s, g in zip(rt.shard_parameters(), grads, strict=True))
+        for r, before in grads.items():
+            assert all(torch.equal(s.grad, g) for s, g in zip(r.shard_parameters(), before, strict=True))
         for got_rt, got_model, got_opt in [(rt, model, opt), (rt_fresh, fresh, opt_fresh)]:
             assert_close_dicts(sharded_params(got_rt, got_model), saved.params(), atol=0, rtol=0,
                                what="loaded parameters")
@@ -294,3 +296,72 @@ def test_optimizer_state_of_tensors_that_are_not_shards_is_refused(one_rank):
             checkpoint.sharded_optim_state_dict(rt, stray)
     finally:
         rt.close()
+
+
+def test_error_messages_list_the_first_five_parameters(one_rank):
+    model = mlp(width=6, depth=3, d_in=4, d_out=2)  # six parameters in one unit
+    rt = paramfsm.shard(model, units=lambda name, module: name == "")
+    first_five = "['0.weight', '0.bias', '2.weight', '2.bias', '4.weight']"
+    try:
+        with pytest.raises(ParamFSMError, match=re.escape(f"state dict is missing keys {first_five} (rank 0)")):
+            rt.load_full_state_dict({})
+        caught = []
+
+        def inside_forward(module, args):
+            with pytest.raises(ParamFSMError, match=re.escape(f"while parameters are gathered: {first_five};")):
+                rt.load_full_state_dict(model.state_dict())
+            caught.append(True)
+
+        handle = model[2].register_forward_pre_hook(inside_forward)
+        model(torch.randn(2, 4)).sum().backward()
+        handle.remove()
+        assert caught == [True]
+    finally:
+        rt.close()
+
+
+def test_a_load_that_fails_part_way_blocks_the_forward(one_rank):
+    """A value that cannot be copied (a meta tensor) after others were written: the next forward refuses."""
+    model = _model(0)
+    rt = paramfsm.shard(model)
+    state = _model(1).state_dict()
+    state["norm.bias"] = torch.empty(DIM, device="meta")
+    with pytest.raises(NotImplementedError):
+        rt.load_full_state_dict(state)
+    with pytest.raises(ParamFSMError, match=re.escape(
+            "rt.load_full_state_dict failed part-way, so the parameters hold a mix of old and new values; "
+            "run rt.load_full_state_dict again (or load a checkpoint) before training")):
+        model(_tokens(0))
+    rt.load_full_state_dict(_model(1).state_dict())
+    _equal_dicts(rt.full_state_dict(), _model(1).state_dict())
+    rt.close()
+
+
+class _CountingSGD(torch.optim.SGD):
+    """SGD that also keeps a plain number per parameter (optimizer state need not be tensors)."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["count"] = self.state[p].get("count", 0) + 1
+        return super().step(closure)
+
+
+def test_optimizer_state_loads_from_plain_tensors_and_numbers(one_rank):
+    """``load_sharded_optim_state_dict`` takes shard-shaped entries as DTensors or as plain tensors."""
+    source, target = _model(0), _model(0)
+    rt_source, rt_target = paramfsm.shard(source), paramfsm.shard(target)
+    make = lambda params: _CountingSGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    opt_source, opt_target = make(rt_source.shard_parameters()), make(rt_target.shard_parameters())
+    try:
+        _train(rt_source, source, opt_source, [0, 1, 2])
+        saved = checkpoint.sharded_optim_state_dict(rt_source, opt_source)
+        plain = {k: (v.full_tensor().clone() if isinstance(v, DTensor) else v) for k, v in saved.items()}
+        checkpoint.load_sharded_optim_state_dict(rt_target, opt_target, plain)
+        for shard_source, shard_target in zip(rt_source.shard_parameters(), rt_target.shard_parameters()):
+            want, got = opt_source.state[shard_source], opt_target.state[shard_target]
+            assert got["count"] == want["count"] == 3
+            assert torch.equal(got["momentum_buffer"], want["momentum_buffer"])
+    finally:
+        rt_source.close()
+        rt_target.close()
