@@ -178,6 +178,7 @@ def test_loading_or_saving_while_parameters_are_gathered_is_refused(one_rank, tm
     def inside_forward(module, args):
         for call, what in [(lambda: rt.load_full_state_dict(state), "load a state dict"),
                            (lambda: checkpoint.save(rt, tmp_path / "ck"), "save a sharded checkpoint"),
+                           (lambda: checkpoint.load(rt, tmp_path / "ck"), "load a sharded checkpoint"),
                            (lambda: rt.load_sharded_state_dict({}), "load a sharded state dict")]:
             with pytest.raises(ParamFSMError, match=f"cannot {what} while parameters are gathered: "
                                                     r"\[.*'norm.weight', 'norm.bias'\]") as info:
@@ -187,7 +188,7 @@ def test_loading_or_saving_while_parameters_are_gathered_is_refused(one_rank, tm
     handle = model.norm.register_forward_pre_hook(inside_forward)
     _loss(model, 0).backward()
     handle.remove()
-    assert len(caught) == 3 and caught[0].endswith("]; call it between iterations")
+    assert len(caught) == 4 and caught[0].endswith("]; call it between iterations")
     assert all(text.endswith("]; call it between iterations (after the final backward and optimizer step)")
                for text in caught[1:])
     rt.close()
@@ -298,7 +299,7 @@ def test_optimizer_state_of_tensors_that_are_not_shards_is_refused(one_rank):
         rt.close()
 
 
-def test_error_messages_list_the_first_five_parameters(one_rank):
+def test_error_messages_list_the_first_five_parameters(one_rank, tmp_path):
     model = mlp(width=6, depth=3, d_in=4, d_out=2)  # six parameters in one unit
     rt = paramfsm.shard(model, units=lambda name, module: name == "")
     first_five = "['0.weight', '0.bias', '2.weight', '2.bias', '4.weight']"
@@ -308,8 +309,10 @@ def test_error_messages_list_the_first_five_parameters(one_rank):
         caught = []
 
         def inside_forward(module, args):
-            with pytest.raises(ParamFSMError, match=re.escape(f"while parameters are gathered: {first_five};")):
-                rt.load_full_state_dict(model.state_dict())
+            for call in (lambda: rt.load_full_state_dict(model.state_dict()),
+                         lambda: checkpoint.save(rt, tmp_path / "ck")):
+                with pytest.raises(ParamFSMError, match=re.escape(f"while parameters are gathered: {first_five};")):
+                    call()
             caught.append(True)
 
         handle = model[2].register_forward_pre_hook(inside_forward)
@@ -356,6 +359,8 @@ def test_optimizer_state_loads_from_plain_tensors_and_numbers(one_rank):
     try:
         _train(rt_source, source, opt_source, [0, 1, 2])
         saved = checkpoint.sharded_optim_state_dict(rt_source, opt_source)
+        names = [name for name, _ in rt_source.named_shard_parameters()]
+        assert saved["optim.param_groups"] == [{**opt_source.param_groups[0], "params": names}]
         plain = {k: (v.full_tensor().clone() if isinstance(v, DTensor) else v) for k, v in saved.items()}
         checkpoint.load_sharded_optim_state_dict(rt_target, opt_target, plain)
         for shard_source, shard_target in zip(rt_source.shard_parameters(), rt_target.shard_parameters()):
