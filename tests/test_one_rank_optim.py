@@ -73,6 +73,7 @@ def test_an_optimizer_over_the_model_parameters_steps_the_shards_like_plain_torc
 def test_groups_added_later_and_models_sharded_later_are_mapped_at_the_next_step(one_rank):
     """A group added after the first step, and an optimizer that stepped plain parameters before
     ``paramfsm.shard`` (SGD without momentum keeps no state), both step the shards like plain torch."""
+    other = paramfsm.shard(nn.Linear(2, 2))  # another sharded model: the first step is scanned and remembered
     model = _model()
     ref = Reference(model)
     matrices = [p for p in model.parameters() if p.dim() > 1]
@@ -93,6 +94,7 @@ def test_groups_added_later_and_models_sharded_later_are_mapped_at_the_next_step
         assert_close_dicts(sharded_params(rt, model), ref.params(), what="a group added after the first step")
     finally:
         rt.close()
+        other.close()
 
 
 def test_map_optimizer_maps_before_the_first_step_and_is_idempotent(one_rank):
@@ -144,28 +146,45 @@ def test_state_of_full_parameters_is_refused_and_kept(one_rank):
         rt.close()
 
 
-@pytest.mark.parametrize("first", ["plain_step", "scaler_step"])
+_PLAIN_SCALER = re.escape(
+    "a plain torch.amp.GradScaler is stepping SGD over paramfsm shards: each rank would decide alone whether a "
+    "gradient overflowed, so ranks could skip different steps and the shards would silently diverge. What to "
+    "do: use paramfsm.amp.GradScaler(rt, ...) (the same API; found_inf is agreed across ranks).")
+
+
+def _scaled_step(scaler, model, opt) -> None:
+    opt.zero_grad()
+    scaler.scale(model(torch.randn(2, 4)).pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("first", ["plain_step", "scaler_step", "model_parameters", "group_added"])
 def test_a_plain_grad_scaler_stepping_shards_is_refused(one_rank, first):
     model = _model()
     rt = paramfsm.shard(model)
-    opt = torch.optim.SGD(rt.shard_parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters() if first == "model_parameters" else rt.shard_parameters(), lr=0.1)
     try:
-        if first == "plain_step":
+        if first == "model_parameters":
+            map_optimizer(opt)  # mapped from the model's parameters before the scaler unscales shard gradients
+        if first in ("plain_step", "group_added"):
             _steps(model, opt, [0])  # the optimizer is scanned: the scaler meets the fast path
-        scaler = torch.amp.GradScaler("cpu")
-        opt.zero_grad()
-        scaler.scale(model(torch.randn(2, 4)).pow(2).mean()).backward()
-        with pytest.raises(ParamFSMError, match=re.escape(
-                "a plain torch.amp.GradScaler is stepping SGD over paramfsm shards: each rank would decide alone "
-                "whether a gradient overflowed, so ranks could skip different steps and the shards would "
-                "silently diverge. What to do: use paramfsm.amp.GradScaler(rt, ...) (the same API; found_inf "
-                "is agreed across ranks).")):
-            scaler.step(opt)
-        agreed = paramfsm.amp.GradScaler(rt)
-        opt.zero_grad()
-        agreed.scale(model(torch.randn(2, 4)).pow(2).mean()).backward()
-        agreed.step(opt)
-        agreed.update()
+        if first == "group_added":  # a group of plain tensors added later: the optimizer still steps shards
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+        with pytest.raises(ParamFSMError, match=_PLAIN_SCALER):
+            _scaled_step(torch.amp.GradScaler("cpu"), model, opt)
+        _scaled_step(paramfsm.amp.GradScaler(rt), model, opt)
+    finally:
+        rt.close()
+
+
+def test_a_plain_grad_scaler_on_plain_parameters_is_let_through(one_rank):
+    rt = paramfsm.shard(_model(1))  # a sharded model exists, but this optimizer steps plain parameters
+    plain = _model(2)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    try:
+        _scaled_step(torch.amp.GradScaler("cpu"), plain, opt)
+        _scaled_step(torch.amp.GradScaler("cpu"), plain, opt)
     finally:
         rt.close()
 

@@ -233,7 +233,8 @@ def test_load_sharded_state_dict_copies_and_redistributes(one_rank):
     ("missing", "sharded state dict is missing keys ['norm.bias']"),
     ("plain", "'norm.bias': expected a DTensor of shape (6,) (from rt.sharded_state_dict()), got Tensor (6,)"),
     ("shape", "'norm.bias': expected a DTensor of shape (6,) (from rt.sharded_state_dict()), got DTensor (5,)"),
-], ids=["missing", "plain", "shape"])
+    ("number", "'norm.bias': expected a DTensor of shape (6,) (from rt.sharded_state_dict()), got int ()"),
+], ids=["missing", "plain", "shape", "number"])
 def test_a_bad_sharded_state_dict_is_refused(one_rank, bad, message):
     model = _model(0)
     rt = paramfsm.shard(model)
@@ -243,10 +244,15 @@ def test_a_bad_sharded_state_dict_is_refused(one_rank, bad, message):
             del sd["norm.bias"]
         elif bad == "plain":
             sd["norm.bias"] = torch.zeros(DIM)
+        elif bad == "number":
+            sd["norm.bias"] = 3
         else:
             sd["norm.bias"] = DTensor.from_local(torch.zeros(5), sd["norm.bias"].device_mesh, [Shard(0)])
         with pytest.raises(ParamFSMError, match=re.escape(message)):
             rt.load_sharded_state_dict(sd)
+        if bad != "missing":  # refused after the keys before it were written: the forward refuses too
+            with pytest.raises(ParamFSMError, match=re.escape("rt.load_sharded_state_dict failed part-way")):
+                model(_tokens(0))
     finally:
         rt.close()
 
@@ -306,6 +312,8 @@ def test_error_messages_list_the_first_five_parameters(one_rank, tmp_path):
     try:
         with pytest.raises(ParamFSMError, match=re.escape(f"state dict is missing keys {first_five} (rank 0)")):
             rt.load_full_state_dict({})
+        with pytest.raises(ParamFSMError, match=re.escape(f"sharded state dict is missing keys {first_five}")):
+            rt.load_sharded_state_dict({})
         caught = []
 
         def inside_forward(module, args):
