@@ -110,7 +110,7 @@ def test_a_stream_writes_in_batches_and_starts_again_when_cleared(tmp_path):
     assert [(r.seq, r.event) for r in stream.records] == [(STREAM_BATCH + 11, "fetch"),
                                                          (STREAM_BATCH + 12, "arrive")]
     assert stream.path.read_text().count("\n") == 2
-    with pytest.raises(ValueError, match="a streamed trace keeps every record: give limit or path, not both"):
+    with pytest.raises(ValueError, match="^a streamed trace keeps every record: give limit or path, not both$"):
         Trace(0, path=tmp_path / "other.jsonl", limit=4)
 
 
