@@ -50,11 +50,13 @@ mutants: install
 
 # Mutation testing (not part of make test): mutmut mutates the modules listed under [tool.mutmut]
 # in pyproject.toml and runs their in-process tests against each mutant; results stay in mutants/.
+# One thread: mutmut forks the test process for every mutant, and a fork of a process whose OpenMP
+# pool has run (a LayerNorm) deadlocks in its next parallel op. One child at a time on this box.
 MUTMUT := mutmut==3.8.1
 mutate: install
 	$(PY) -m pip install --quiet "$(MUTMUT)"
 	rm -rf mutants
-	$(VENV)/bin/mutmut run
+	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children 1
 	@$(PY) -m paramfsm.testing.mutation_score
 
 verify: install
