@@ -233,3 +233,25 @@ def test_second_order_entry_routes_only_recorded_gradients():
     assert torch.equal(routed, recorded) and routed.grad_fn is not None
     routed.sum().backward(retain_graph=True)
     assert [(e.unit, e.keep_graph) for e in events] == [("u", False), ("u", True), ("v", True)]
+
+
+def test_a_model_sharded_after_the_last_step_is_mapped_whatever_the_generation(one_rank, monkeypatch):
+    """The optimizer last stepped before ``paramfsm.shard``: its groups are mapped again, also when the
+    number of groups happens to equal the sharding generation (pinned here: 2 groups, generation 2)."""
+    monkeypatch.setattr(paramfsm.optim, "_generation", 0)
+    other = paramfsm.shard(nn.Linear(2, 2))  # generation 1; with a sharded model, a plain step is remembered
+    model = _model()
+    ref = Reference(model)
+    opt = torch.optim.SGD(_groups(model.named_parameters()))
+    ref_opt = torch.optim.SGD(_groups(ref.model.named_parameters()))
+    try:
+        _steps(model, opt, [0])
+        _steps(ref.model, ref_opt, [0])
+        rt = paramfsm.shard(model)
+        assert paramfsm.optim._generation == len(opt.param_groups) == 2
+        _steps(model, opt, [1])
+        _steps(ref.model, ref_opt, [1])
+        assert_close_dicts(sharded_params(rt, model), ref.params(), what="the step after sharding")
+        rt.close()
+    finally:
+        other.close()
