@@ -305,3 +305,36 @@ def test_a_new_group_never_inherits_a_destroyed_groups_tags(ranks2):
     aborted on a message of the wrong size)."""
     for rank, rows in enumerate(ranks2.run(fresh_groups_job)):
         assert all(rows), (rank, rows)
+
+
+def small_units_job(rank, world):
+    """A root without parameters over 24 small units: after the first step each pass gathers its one
+    bucket with one all-gather, and training matches plain torch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(24)])
+    ref = Reference(model, lambda params: torch.optim.SGD(params, lr=0.1))
+    rt = paramfsm.shard(model)
+    opt = torch.optim.SGD(rt.shard_parameters(), lr=0.1)
+    counts = []
+    for step in range(3):
+        x, = batch(step, world, 2, (4,))
+        opt.zero_grad()
+        before = rt.counters["all_gathers"]
+        out = model(rank_slice(x, rank, world))
+        forward = rt.counters["all_gathers"] - before
+        out.pow(2).mean().backward()
+        counts.append((forward, rt.counters["all_gathers"] - before - forward))
+        ref.optimizer.zero_grad()
+        ref.model(x).pow(2).mean().backward()
+        assert_close_dicts(sharded_grads(rt, model), ref.grads(), what=f"grads, step {step}")
+        opt.step()
+        ref.optimizer.step()
+    buckets = (len(rt.scheduler.fwd_plan.buckets), len(rt.scheduler.bwd_plan.buckets))
+    rt.close()
+    return counts, buckets
+
+
+def test_a_pass_over_small_units_gathers_once_per_bucket(ranks2):
+    counts, buckets = ranks2.run(small_units_job)[0]
+    assert buckets == (1, 1), buckets
+    assert counts[1:] == [(1, 1), (1, 1)], f"all-gathers per (forward, backward) after the first step: {counts}"

@@ -203,7 +203,12 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
         """
         self._step_all(unit.records, "fetch")
         bucket = plan.bucket_index(unit) if plan is not None else None
-        if bucket is not None and self._gather_batch and bucket not in passes.issued:
+        # [Note: a bucket is issued by its first fetch]
+        # Whether or not this unit itself needed a gather: a unit with nothing to gather (the root
+        # holding no parameters of its own, a unit kept from its forward) still opens its bucket, and
+        # _prefetch_ahead below marks the bucket issued. Prefetching the rest only when this unit
+        # gathered left every other unit of the bucket to gather alone: one all-gather per unit.
+        if bucket is not None and bucket not in passes.issued:
             passes.issued.add(bucket)
             for other in plan.buckets[bucket]:
                 if other is not unit:
