@@ -348,6 +348,30 @@ def test_a_load_that_fails_part_way_blocks_the_forward(one_rank):
     rt.close()
 
 
+def test_a_checkpoint_load_that_fails_blocks_the_forward(one_rank, tmp_path):
+    """dcp.load writes into the shards: when it fails (here its data file is missing) the forward refuses
+    until a load succeeds."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model = _model(0)
+    rt = paramfsm.shard(model)
+    checkpoint.save(rt, tmp_path / "ck")
+    rt2 = paramfsm.shard(other := _model(1))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / ".metadata").write_bytes((tmp_path / "ck" / ".metadata").read_bytes())
+    with pytest.raises(CheckpointException):
+        checkpoint.load(rt2, tmp_path / "broken")
+    with pytest.raises(ParamFSMError, match=re.escape(
+            "paramfsm.checkpoint.load failed part-way, so the parameters hold a mix of old and new values; "
+            "run paramfsm.checkpoint.load again (or load a checkpoint) before training")):
+        other(_tokens(0))
+    checkpoint.load(rt2, tmp_path / "ck")
+    _equal_dicts(rt2.full_state_dict(), rt.full_state_dict())
+    other(_tokens(0))
+    rt.close()
+    rt2.close()
+
+
 class _CountingSGD(torch.optim.SGD):
     """SGD that also keeps a plain number per parameter (optimizer state need not be tensors)."""
 
