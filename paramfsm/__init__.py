@@ -9,11 +9,12 @@ reduce-scatter). See the README for the public contract.
 
 from paramfsm.core.spec import State
 from paramfsm.errors import (
-    CollectiveTimeout, IllegalTransition, ModelMismatch, NotGathered, ParamFSMError, RankDesync, SpecError,
+    ArgumentError, ArgumentTypeError, CollectiveTimeout, IllegalTransition, ModelMismatch, NotGathered, ParamFSMError,
+    RankDesync, SpecError,
 )
 
 __all__ = ["shard", "by_size", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync",
-           "CollectiveTimeout", "NotGathered", "ModelMismatch"]
+           "CollectiveTimeout", "NotGathered", "ModelMismatch", "ArgumentError", "ArgumentTypeError"]
 __version__ = "0.1.0"
 
 

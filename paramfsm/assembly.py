@@ -8,7 +8,11 @@ concern has one module.
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,9 +29,9 @@ from paramfsm.engine.executor import Executor
 from paramfsm.engine.flight import FlightRecorder, make_trace
 from paramfsm.engine.scheduler import Scheduler
 from paramfsm.engine.streams import streams_for
-from paramfsm.engine.units import build_units
+from paramfsm.engine.units import build_units, select_unit_modules
 from paramfsm.engine.unsupported import refuse_unsupported
-from paramfsm.errors import ParamFSMError
+from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
 
 RETAIN_POLICIES = ("defer", "regather")
 # Weak registries (they never keep a model alive): sharded models, and each partitioned
@@ -36,10 +40,35 @@ SHARDED = WeakIdKeyDictionary()
 PARTITIONED = WeakIdKeyDictionary()
 
 
-def check_arguments(model: nn.Module, group, retain: str, prefetch: int, collective_timeout, mesh):
-    """Refuse what ``shard`` cannot take; returns ``(group, replicate_group, timeout seconds)``."""
+def check_arguments(model: nn.Module, group, units, mesh, *, retain, max_deferred_bytes, prefetch, trace, spec,
+                    strict, bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, sync_module_states,
+                    reshard_after_forward):
+    """Refuse what ``shard`` cannot take, before anything is partitioned or communicated.
+
+    Returns ``(group, replicate_group, timeout seconds, unit modules)``. A wrong
+    type raises :class:`~paramfsm.errors.ArgumentTypeError`, a wrong value
+    :class:`~paramfsm.errors.ArgumentError`, each naming the argument and what
+    it takes, so a typo fails here rather than steps into training.
+    """
+    if not isinstance(retain, str):
+        raise ArgumentTypeError(f"retain={retain!r}: expected 'defer' or 'regather'")
     if retain not in RETAIN_POLICIES:
-        raise ParamFSMError(f"retain={retain!r}: expected one of {RETAIN_POLICIES}")
+        raise ArgumentError(f"retain={retain!r}: expected 'defer' or 'regather'")
+    check_count("max_deferred_bytes", max_deferred_bytes, "None or a number of bytes >= 0 (the most that "
+                "parameters kept gathered for a later backward may hold; None: no bound)", optional=True)
+    check_count("prefetch", prefetch, "a number of buckets >= 0 to gather ahead of use (0: none)")
+    check_count("bucket_bytes", bucket_bytes, "a number of bytes >= 0 (consecutive units are gathered, and "
+                "gradients reduce-scattered, together up to that size; 0: each alone)")
+    check_timeout(collective_timeout)
+    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        check_dtype(name, dtype)
+    check_trace(trace)
+    if spec is not None and not isinstance(spec, (str, os.PathLike)):
+        raise ArgumentTypeError(f"spec={spec!r}: expected None (the shipped spec) or a path to a lifetime spec file")
+    for name, flag in (("strict", strict), ("debug", debug), ("sync_module_states", sync_module_states)):
+        if not isinstance(flag, bool):
+            raise ArgumentTypeError(f"{name}={flag!r}: expected True or False")
+    check_reshard_policy(reshard_after_forward)
     if model in SHARDED:
         raise ParamFSMError("this model is already sharded by paramfsm; call rt.close() before sharding it again")
     for name, param in model.named_parameters():
@@ -48,24 +77,77 @@ def check_arguments(model: nn.Module, group, retain: str, prefetch: int, collect
             raise ParamFSMError(f"parameter '{name}' is already partitioned by paramfsm (it belongs to a "
                                 f"sharded {owner}); shard the outermost model once, "
                                 "or call rt.close() on the other runtime first")
-    if prefetch < 0:
-        raise ParamFSMError(f"prefetch={prefetch}: must be >= 0")
+    unit_modules = select_unit_modules(model, units)
     try:
         limit = timeout_s(collective_timeout)
-        replicate_group = None
-        if mesh is not None:
-            if group is not None:
-                raise ValueError("give group= or mesh=, not both")
-            group, replicate_group = resolve_mesh(mesh)
-    except ValueError as exc:
+    except ValueError as exc:  # $PARAMFSM_COLLECTIVE_TIMEOUT: the argument itself is checked above
         raise ParamFSMError(str(exc)) from None
-    return group, replicate_group, limit
+    replicate_group = None
+    if mesh is not None:
+        if group is not None:
+            raise ArgumentError("give group= or mesh=, not both")
+        try:
+            group, replicate_group = resolve_mesh(mesh)
+        except ValueError as exc:
+            raise ArgumentError(str(exc)) from None
+    return group, replicate_group, limit, unit_modules
+
+
+def check_count(name: str, value, expected: str, *, optional: bool = False) -> None:
+    """An integer argument >= 0 (None too when ``optional``); a bool is refused, though Python counts it an int."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"{name}={value!r}: expected {expected} (got {type(value).__name__})")
+    if value < 0:
+        raise ArgumentError(f"{name}={value!r}: expected {expected}")
+
+
+def check_timeout(value) -> None:
+    """``collective_timeout``: None or a finite, positive number of seconds (a wait's limit must be reachable)."""
+    expected = "None or a finite number of seconds > 0 (None: $PARAMFSM_COLLECTIVE_TIMEOUT, or 600)"
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"collective_timeout={value!r}: expected {expected} (got {type(value).__name__})")
+    if not (math.isfinite(value) and value > 0):
+        raise ArgumentError(f"collective_timeout={value!r}: expected {expected}")
+
+
+def check_dtype(name: str, dtype) -> None:
+    """``param_dtype`` / ``reduce_dtype``: None or a floating-point ``torch.dtype`` (parameters are floating point)."""
+    expected = "None or a floating-point torch.dtype, such as torch.bfloat16 or torch.float32"
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise ArgumentTypeError(f"{name}={dtype!r}: expected {expected} (got {type(dtype).__name__})")
+    if not dtype.is_floating_point:
+        raise ArgumentError(f"{name}={dtype!r}: expected {expected}; {dtype} is not floating point")
+
+
+def check_trace(trace) -> None:
+    """``trace``: what :func:`paramfsm.engine.flight.make_trace` takes; a path is checked before partitioning,
+    since the file is opened only once the parameters are sharded."""
+    expected = ("False (the flight recorder), True (every transition), a number of records to keep (0: none) "
+                "or a JSON Lines path to stream to")
+    if trace is None or isinstance(trace, bool):
+        return
+    if isinstance(trace, (str, os.PathLike)):
+        path = Path(trace)
+        if not str(trace):
+            raise ArgumentError(f"trace={trace!r}: expected {expected}, not an empty path")
+        if path.is_dir():
+            raise ArgumentError(f"trace={trace!r}: {path} is a directory; give a file inside it to stream to, "
+                                f"e.g. trace={str(path / 'run.jsonl')!r}")
+        return
+    check_count("trace", trace, expected)
 
 
 def check_reshard_policy(policy) -> None:
+    """``reshard_after_forward``: a bool or a predicate (the predicate's answers are checked per unit later)."""
     if not (isinstance(policy, bool) or callable(policy)):
-        raise ParamFSMError(f"reshard_after_forward={policy!r}: expected True, False or a predicate "
-                            "(name, module) -> bool")
+        raise ArgumentTypeError(f"reshard_after_forward={policy!r}: expected True, False or a predicate "
+                                "(name, module) -> bool")
 
 
 def apply_reshard_policy(rt, policy) -> None:

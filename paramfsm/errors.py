@@ -14,6 +14,16 @@ class ParamFSMError(RuntimeError):
     """Base class of every error raised by paramfsm."""
 
 
+class ArgumentError(ParamFSMError, ValueError):
+    """An argument of a paramfsm call has a value it cannot take (a number out of range, a ``units=``
+    entry that matches nothing): names the argument and what it takes. Raised before anything changes."""
+
+
+class ArgumentTypeError(ParamFSMError, TypeError):
+    """An argument of a paramfsm call has a type it cannot take: names the argument and what it takes.
+    Raised before anything changes."""
+
+
 class SpecError(ParamFSMError):
     """A lifetime spec file is malformed: names the file, the entry and the reason."""
 

@@ -28,8 +28,13 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
           sync_module_states: bool = False, reshard_after_forward=True) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
-    ``units``: None (every module owning parameters directly), module classes,
-    module instances, or a predicate ``(name, module) -> bool``. ``retain``:
+    ``units``: None (every module owning parameters directly), ``by_size(...)``,
+    a predicate ``(name, module) -> bool``, or a list of module classes, modules
+    of the model and predicates; a class or module that matches nothing raises
+    ``ArgumentError`` when no entry matches, else warns ``UnmatchedUnits``
+    (:func:`paramfsm.engine.units.select_unit_modules`). Every argument is checked
+    before anything changes: a wrong type raises ``ArgumentTypeError``, a wrong
+    value ``ArgumentError``, naming it (:func:`paramfsm.assembly.check_arguments`). ``retain``:
     "defer" keeps parameters released inside a keep-graph backward for the
     next backward; "regather" releases at once. ``max_deferred_bytes`` bounds
     deferred memory. ``prefetch``: buckets gathered ahead of use.
@@ -73,9 +78,11 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     the root: ``lambda name, module: name != ""`` keeps only the root, FSDP2's
     default). See :mod:`paramfsm.engine.reshard`.
     """
-    group, replicate_group, limit = assembly.check_arguments(model, group, retain, prefetch,
-                                                             collective_timeout, mesh)
-    assembly.check_reshard_policy(reshard_after_forward)
+    group, replicate_group, limit, units = assembly.check_arguments(
+        model, group, units, mesh, retain=retain, max_deferred_bytes=max_deferred_bytes, prefetch=prefetch,
+        trace=trace, spec=spec, strict=strict, bucket_bytes=bucket_bytes, param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype, debug=debug, collective_timeout=collective_timeout,
+        sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward)
     rt = Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                  bucket_bytes, param_dtype, reduce_dtype, debug, limit,
                  mesh if replicate_group is not None else None, replicate_group, device, mesh,

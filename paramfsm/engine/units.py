@@ -14,6 +14,7 @@ Nothing is set on the user's ``nn.Parameter`` objects except ``.data``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 
 from paramfsm.core.fsm import Lifetime
 from paramfsm.engine.default_units import default_unit_names
-from paramfsm.errors import ParamFSMError
+from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
 
 
 class ParamRecord(Lifetime):
@@ -88,8 +89,10 @@ class by_size:  # noqa: N801 - used like a function: units=paramfsm.by_size(min_
     """
 
     def __init__(self, min_bytes: int = 1 << 20):
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes <= 0:
-            raise ParamFSMError(f"by_size(min_bytes={min_bytes!r}): expected a positive number of bytes")
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int):
+            raise ArgumentTypeError(f"by_size(min_bytes={min_bytes!r}): expected a positive number of bytes")
+        if min_bytes <= 0:
+            raise ArgumentError(f"by_size(min_bytes={min_bytes!r}): expected a positive number of bytes")
         self.min_bytes = min_bytes
 
     def __repr__(self) -> str:
@@ -120,38 +123,133 @@ class by_size:  # noqa: N801 - used like a function: units=paramfsm.by_size(min_
         return chosen
 
 
-UnitsArg = None | by_size | Sequence[type] | Sequence[nn.Module] | Callable[[str, nn.Module], bool]
+Predicate = Callable[[str, nn.Module], bool]
+UnitsArg = None | by_size | type | Predicate | Sequence[type | nn.Module | Predicate]
+
+#: What ``units=`` takes, for the messages that refuse something else.
+ACCEPTED = ("units= takes None (the default units), paramfsm.by_size(min_bytes=...), a predicate "
+            "(qualified_name, module) -> bool, or a list of module classes (nn.Module subclasses), "
+            "modules of the model and predicates")
 
 
-def select_unit_modules(model: nn.Module, units: UnitsArg) -> dict[str, nn.Module]:
+class UnmatchedUnits(UserWarning):
+    """A ``units=`` entry matches no module of the model while other entries do, so it has no effect."""
+
+
+class UnitModules(dict):
+    """Qualified name -> module of every unit, as :func:`select_unit_modules` chose them for one model.
+
+    ``paramfsm.shard`` checks ``units=`` before it changes anything and hands the
+    choice on in this form, so the entries are matched (and warned about) once.
+    """
+
+
+def select_unit_modules(model: nn.Module, units: UnitsArg) -> UnitModules:
     """Qualified name -> module for every unit module, in module order; the root is always a unit.
 
     ``units`` may be None (every module that directly owns parameters, with the
     ``torch.nn`` modules that read their children's parameters as one unit each:
-    :mod:`paramfsm.engine.default_units`), a
-    :class:`by_size` policy, a sequence of module classes, a sequence of
-    module instances, or a predicate ``(qualified_name, module) -> bool``.
+    :mod:`paramfsm.engine.default_units`), a :class:`by_size` policy, a
+    predicate ``(qualified_name, module) -> bool``, one module class, or a list
+    whose entries are module classes, module instances of the model and
+    predicates (a module is a unit when any entry selects it). A list where no
+    class or instance matches anything raises :class:`~paramfsm.errors.ArgumentError`
+    (the whole model would be one unit, gathered whole); one such entry among
+    matching ones warns :class:`UnmatchedUnits`. A predicate may select nothing:
+    ``lambda name, module: False`` makes the whole model one unit on purpose.
     """
+    if isinstance(units, UnitModules):
+        return units
     named = list(model.named_modules(remove_duplicate=True))
     if units is None:
         chosen = default_unit_names(named)
     elif isinstance(units, by_size):
         chosen = units.select(model)
-    elif callable(units) and not isinstance(units, (list, tuple)):
+    elif callable(units) and not isinstance(units, (type, nn.Module)):
         chosen = {name for name, m in named if units(name, m)}
     else:
-        units = tuple(units)
-        if all(isinstance(u, type) for u in units):
-            chosen = {name for name, m in named if isinstance(m, units)}
-        elif all(isinstance(u, nn.Module) for u in units):
-            wanted = {id(u) for u in units}
-            chosen = {name for name, m in named if id(m) in wanted}
-            if len(chosen) != len(wanted):
-                raise ParamFSMError("units=: some of the given modules are not submodules of the model")
-        else:
-            raise ParamFSMError("units= must be None, module classes, module instances or a predicate")
+        entries = unit_entries(units)
+        matched = [_selected(named, entry) for entry in entries]
+        _check_matched(model, named, entries, matched)
+        chosen = set().union(*matched)
     chosen.add("")
-    return {name: m for name, m in named if name in chosen}
+    return UnitModules((name, m) for name, m in named if name in chosen)
+
+
+def unit_entries(units) -> tuple:
+    """The entries of a ``units=`` list (a lone module class is one entry); refuses any other type of entry."""
+    if isinstance(units, type):
+        units = (units,)
+    if isinstance(units, str):
+        raise ArgumentTypeError(f"units={units!r}: {ACCEPTED}, not names. To make the module named {units!r} "
+                                f"one unit, pass units=lambda name, module: name == {units!r}")
+    if isinstance(units, nn.Module):
+        raise ArgumentTypeError(f"units={_describe(units)}: {ACCEPTED}; pass units=[module] to make this module "
+                                "one unit, or units=list(module.children()) for one unit per child")
+    try:
+        entries = tuple(units)
+    except TypeError:
+        raise ArgumentTypeError(f"units={units!r}: {ACCEPTED}") from None
+    if not entries:
+        raise ArgumentError(f"units={units!r} names no module: pass units=None for the default units, or "
+                            "units=lambda name, module: False to make the whole model one unit")
+    for entry in entries:
+        if isinstance(entry, str):
+            raise ArgumentTypeError(f"units=: the entry {entry!r} is a name; {ACCEPTED}. To make the module named "
+                                    f"{entry!r} one unit, use the entry lambda name, module: name == {entry!r}")
+        if isinstance(entry, type) and not issubclass(entry, nn.Module):
+            raise ArgumentTypeError(f"units=: the entry {entry.__qualname__} is a class but not a module class "
+                                    f"(an nn.Module subclass); {ACCEPTED}")
+        if not callable(entry):
+            raise ArgumentTypeError(f"units=: the entry {entry!r} (of type {type(entry).__name__}) is none of these: "
+                                    f"{ACCEPTED}")
+    return entries
+
+
+def _selected(named: list[tuple[str, nn.Module]], entry) -> set[str]:
+    """Qualified names of the modules one ``units=`` entry selects."""
+    if isinstance(entry, type):
+        return {name for name, m in named if isinstance(m, entry)}
+    if isinstance(entry, nn.Module):
+        return {name for name, m in named if m is entry}
+    return {name for name, m in named if entry(name, m)}
+
+
+def _check_matched(model: nn.Module, named, entries: tuple, matched: list[set[str]]) -> None:
+    """Refuse a list of which nothing matches; warn about each class or instance entry that matches nothing."""
+    unmatched = [entry for entry, names in zip(entries, matched)
+                 if not names and isinstance(entry, (type, nn.Module))]
+    if not unmatched:
+        return
+    if not any(matched):
+        present = sorted({type(m).__name__ for _, m in named if any(True for _ in m.parameters(recurse=False))})
+        raise ArgumentError(
+            f"units=[{', '.join(_describe(e) for e in entries)}] matches no module of the model "
+            f"({type(model).__name__}): {'; '.join(_no_match(e) for e in unmatched)}. The whole model would be one "
+            "unit, gathered whole, which saves no memory. What to do: name classes the model contains (those owning "
+            f"parameters: {', '.join(present) or 'none'}), modules of this model itself, or a predicate "
+            "(qualified_name, module) -> bool; units=None keeps the default units")
+    for entry in unmatched:
+        warnings.warn(UnmatchedUnits(
+            f"units=: {_no_match(entry)}, so that entry has no effect and the other entries choose the units. "
+            "What to do: remove it, or name a class the model contains or one of its own modules"), stacklevel=5)
+
+
+def _no_match(entry) -> str:
+    """Why a class or module entry of ``units=`` selects nothing."""
+    if isinstance(entry, type):
+        return f"no module of the model is an instance of {entry.__qualname__}"
+    return f"{_describe(entry)} is not one of the model's own modules (a copy, or another model's module, is not)"
+
+
+def _describe(entry) -> str:
+    """A ``units=`` entry as a message names it: a class by name, a module by its one-line repr or its class."""
+    if isinstance(entry, type):
+        return entry.__qualname__
+    if isinstance(entry, nn.Module):
+        text = repr(entry)
+        return text if "\n" not in text and len(text) <= 80 else f"<a {type(entry).__name__} module>"
+    return getattr(entry, "__qualname__", None) or repr(entry)
 
 
 def owner_unit(param_name: str, unit_names: Iterable[str]) -> str:
