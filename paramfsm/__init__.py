@@ -9,12 +9,14 @@ reduce-scatter). See the README for the public contract.
 
 from paramfsm.core.spec import State
 from paramfsm.errors import (
-    ArgumentError, ArgumentTypeError, CollectiveTimeout, IllegalTransition, ModelMismatch, NotGathered, ParamFSMError,
-    RankDesync, SpecError,
+    ArgumentError, ArgumentTypeError, CollectiveTimeout, IllegalTransition, ModelChanged, ModelMismatch,
+    NotGathered, ParamFSMError,
+    RankDesync, SpecError, UnsupportedOutput,
 )
 
 __all__ = ["shard", "by_size", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync",
-           "CollectiveTimeout", "NotGathered", "ModelMismatch", "ArgumentError", "ArgumentTypeError"]
+           "CollectiveTimeout", "NotGathered", "ModelMismatch", "ModelChanged", "ArgumentError", "ArgumentTypeError",
+           "UnsupportedOutput"]
 __version__ = "0.1.0"
 
 

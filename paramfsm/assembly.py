@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import full_state, memory, meta, optim, rank_agreement
+from paramfsm import full_state, memory, meta, model_changes, optim, rank_agreement
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
 from paramfsm.engine import hooks, on_demand, partitioned, reshard
@@ -203,12 +203,14 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
         partitioned.adopt(rec.param, rec, trace_rank)
         rt.executor.free((rec,))
     rt._handles = hooks.install(model, rt.units, records, rt.scheduler.emit)
+    rt._watch = model_changes.watch(model, records, trace_rank)
+    rt._handles.append(model.register_forward_pre_hook(lambda module, args: rt._watch.check(), prepend=True))
     meta.watch(rt, born_meta, device)
     on_demand.watch(records, rt.scheduler)
     if param_dtype is not None:
         rt._handles.append(model.register_forward_pre_hook(partial(cast_inputs, param_dtype), with_kwargs=True))
     SHARDED[model] = True
-    optim.install(rt.shard_parameters())
+    optim.install(records, rt.scheduler)
     for rec in records:
         PARTITIONED[rec.param] = type(model).__name__
 

@@ -71,6 +71,12 @@ def _require_idle(rt, what: str) -> None:
                             "call it between iterations (after the final backward and optimizer step)")
 
 
+def _announce_write(rt, why: str) -> None:
+    """Every shard is about to be written: no full copy gathered before may be read again."""
+    records = tuple(rt._by_id.values())
+    rt.scheduler.shards_written(records, records, why)
+
+
 def sharded_state_dict(rt) -> dict:
     """The model's state dict with every parameter as a flat sharded DTensor viewing this rank's shard.
 
@@ -93,6 +99,7 @@ def load_sharded_state_dict(rt, state_dict) -> None:
     missing = [k for k in own if k not in state_dict]
     if missing:
         raise ParamFSMError(f"sharded state dict is missing keys {missing[:5]}")
+    _announce_write(rt, "rt.load_sharded_state_dict()")
     with meta.setting_values(rt, "rt.load_sharded_state_dict"), torch.no_grad():
         for key, target in own.items():
             src = state_dict[key]
@@ -205,6 +212,7 @@ def load(rt, path, optimizer=None) -> None:
     if optimizer is not None:
         _init_optim_state(optimizer)
         state.update(sharded_optim_state_dict(rt, optimizer))
+    _announce_write(rt, "paramfsm.checkpoint.load()")
     # dcp.load writes into the shards themselves (the state dict's DTensors view them), so a load that
     # fails part-way leaves a mix of old and new values: the values guard holds until it completes.
     with meta.setting_values(rt, "paramfsm.checkpoint.load"):

@@ -146,3 +146,31 @@ class UnsyncedGradients(ParamFSMError):
     def __init__(self, *, param: str, unit: str, rank: int, what: str, detail: str):
         self.param, self.unit, self.rank, self.what = param, unit, rank, what
         super().__init__(f"{what}: the gradient of parameter '{param}' (unit '{unit}', rank {rank}) {detail}")
+
+
+class ModelChanged(ParamFSMError):
+    """A parameter of a sharded model was added, replaced or deleted after ``paramfsm.shard()``
+    (see :mod:`paramfsm.model_changes`); raised at the next forward."""
+
+    def __init__(self, *, param: str, module: str, rank: int, what: str):
+        self.param, self.module, self.rank, self.what = param, module, rank, what
+        super().__init__(
+            f"parameter '{param}' (module '{module}') was {what} on rank {rank}: paramfsm partitions the "
+            "parameters a model has when it is sharded, so this one would be trained by each rank alone (never "
+            "averaged: the ranks drift apart) or left behind. What to do: change the model before "
+            "paramfsm.shard(), or shard after the change: model = rt.close(); <change it>; "
+            "rt = paramfsm.shard(model, ...), then build the optimizer anew.")
+
+
+class UnsupportedOutput(ParamFSMError):
+    """A unit's forward returned tensors of the autograd graph inside an object the hooks cannot look into
+    (see :mod:`paramfsm.engine.outputs`); raised at that forward, before any backward could crash."""
+
+    def __init__(self, *, module: str, type_name: str, full_type_name: str):
+        self.module, self.type_name = module, type_name
+        super().__init__(
+            f"the forward of module '{module}' returned a {full_type_name} object holding tensors that "
+            f"need gradients, and paramfsm cannot look inside a {type_name} to find where this unit's backward "
+            "begins: that backward would run without the unit's parameters gathered. What to do: return a "
+            "tensor, or a tuple, list, dict, dataclass or namedtuple of them (nested as deep as you like), or "
+            f"register {type_name} with torch.utils._pytree.register_pytree_node so its tensors can be found.")

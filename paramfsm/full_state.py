@@ -153,6 +153,8 @@ def load_full_state_dict(rt, state_dict) -> None:
         if tuple(src.shape) != shape:
             raise ParamFSMError(f"'{key}': shape {tuple(src.shape)} does not match the "
                                 f"{'parameter' if rec is not None else 'buffer'}'s {shape} (rank {rt.rank})")
+    records = tuple(rt._by_id.values())
+    rt.scheduler.shards_written(records, records, "rt.load_full_state_dict()")
     with meta.setting_values(rt, "rt.load_full_state_dict"), torch.no_grad():
         for ident, (key, src) in sources.items():
             rec = rt._by_id.get(ident)

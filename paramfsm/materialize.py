@@ -58,6 +58,8 @@ def init_weights(rt, fn=None) -> None:
     busy = [rec.name for rec in rt._by_id.values() if rec.state is not State.NOT_AVAILABLE]
     if busy:
         raise ParamFSMError(f"rt.init_weights: parameters {busy[:5]} are gathered; call it between iterations")
+    records = tuple(rt._by_id.values())
+    rt.scheduler.shards_written(records, records, "rt.init_weights()")
     model = rt.model
     if fn is None:
         calls = [m for m in model.modules() if callable(getattr(m, "reset_parameters", None))]

@@ -45,9 +45,12 @@ from paramfsm.engine.grad_sync import UNSYNCED
 from paramfsm.engine.partitioned import OWNERS, record_of
 from paramfsm.errors import ParamFSMError
 
-# optimizer -> (sharding generation, param groups scanned, whether it steps shards)
-_MAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int, bool]]" = weakref.WeakKeyDictionary()
-_SHARDS = WeakIdKeyDictionary()  # every shard of every sharded model (to tell a shard optimizer)
+# optimizer -> (sharding generation, param groups scanned, whether it steps shards, the shards' writers)
+_MAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+#: every shard of every sharded model -> (a weak reference to its scheduler, the index of its record
+#: there): to tell a shard optimizer, and
+#: whom its step must tell (see [Note: a step is a shard write]).
+_SHARDS = WeakIdKeyDictionary()
 _hook_handle = None
 _generation = 0
 
@@ -56,12 +59,14 @@ class OptimizerStateMismatch(ParamFSMError):
     """An optimizer holds state for a full parameter that paramfsm would have to map to its shard."""
 
 
-def install(shards=()) -> None:
-    """Register the global step pre-hook once per process; called by every ``paramfsm.shard`` with its shards."""
+def install(records=(), scheduler=None) -> None:
+    """Register the global step pre-hook once per process; called by every ``paramfsm.shard`` with its
+    records and the scheduler that drives them."""
     global _hook_handle, _generation
     _generation += 1
-    for shard in shards:
-        _SHARDS[shard] = True
+    ref = weakref.ref(scheduler) if scheduler is not None else None
+    for index, rec in enumerate(records):  # weak: a record holds its shard, the dictionary's key
+        _SHARDS[rec.shard] = (ref, index)
     if _hook_handle is None:
         _hook_handle = register_optimizer_step_pre_hook(_before_step)
 
@@ -73,6 +78,7 @@ def _before_step(optimizer, args, kwargs) -> None:
     if seen is not None and seen[:2] == (_generation, len(optimizer.param_groups)):
         if seen[2]:
             _refuse_local_scaler(optimizer)
+            _announce_writes(optimizer, seen[3])
         return
     if not OWNERS:
         return
@@ -85,9 +91,40 @@ def _before_step(optimizer, args, kwargs) -> None:
             group["params"] = [_shard_for(optimizer, p) for p in params]
             sharded = True
         sharded = sharded or any(p in _SHARDS for p in params)
-    _MAPPED[optimizer] = (_generation, len(optimizer.param_groups), sharded)
+    writers = _writers(optimizer) if sharded else ()
+    _MAPPED[optimizer] = (_generation, len(optimizer.param_groups), sharded, writers)
     if sharded:
         _refuse_local_scaler(optimizer)
+        _announce_writes(optimizer, writers)
+
+
+def _writers(optimizer) -> tuple:
+    """``(scheduler, records)`` for each sharded model whose shards ``optimizer`` steps, in group order."""
+    by_scheduler: dict = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _SHARDS.get(p)
+            scheduler = entry[0]() if entry is not None and entry[0] is not None else None
+            if scheduler is not None:
+                by_scheduler.setdefault(scheduler, {})[scheduler.records[entry[1]]] = None
+    return tuple((scheduler, tuple(records)) for scheduler, records in by_scheduler.items())
+
+
+def _announce_writes(optimizer, writers) -> None:
+    """Tell each scheduler which shards this step writes, before it writes them.
+
+    [Note: a step is a shard write]
+    A full copy gathered before the step (a parameter kept DEFERRED_RELEASE for
+    a retained graph, a GAN's discriminator stepped between two forwards) would
+    otherwise be read again with the old values. The scheduler drops such
+    copies, or refuses the step while one is held (see
+    :mod:`paramfsm.engine.shard_writes`). A step changes only the shards that
+    have a gradient (every ``torch.optim`` optimizer skips the others), so
+    only those parameters get their autograd version bumped.
+    """
+    why = f"{type(optimizer).__name__}.step()"
+    for scheduler, records in writers:
+        scheduler.shards_written(records, tuple([rec for rec in records if rec.shard.grad is not None]), why)
 
 
 def _refuse_local_scaler(optimizer) -> None:

@@ -17,7 +17,8 @@ from torch import nn
 from paramfsm import accumulation, assembly, checkpoint, full_state, grad_norm, materialize, memory, teardown
 from paramfsm.core.spec import State
 from paramfsm.engine import graph_task as gt
-from paramfsm.engine.units import ParamRecord, units_within
+from paramfsm.engine.units import ParamRecord
+from paramfsm.gathered import gathered as gathered_block
 from paramfsm.errors import ParamFSMError
 
 
@@ -281,20 +282,14 @@ class Runtime:
         """
         self.scheduler.recover("rt.reset()")
 
-    @contextlib.contextmanager
-    def gathered(self, *modules: nn.Module):
+    def gathered(self, *modules: nn.Module, writeback: bool = True):
         """Hold the full parameters of ``modules`` (all units if none given) for use outside forward.
 
-        Collective: every rank enters and leaves together.
+        Collective: every rank enters and leaves together. ``writeback=True``: in-place
+        changes to the full parameters reach the shards when the block ends, checked to be the
+        same on every rank; ``writeback=False``: read-only. See :mod:`paramfsm.gathered`.
         """
-        chosen = units_within(self.model, self.units, modules)
-        for unit in chosen:
-            self.scheduler.hold(unit)
-        try:
-            yield
-        finally:
-            for unit in chosen:
-                self.scheduler.unhold(unit)
+        return gathered_block(self, modules, writeback)
 
     def generate(self, *args, **kwargs):
         """``model.generate(...)`` for a sharded Hugging Face model, ready for different prompts per rank.

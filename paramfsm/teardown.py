@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from paramfsm import accumulation, full_state
+from paramfsm import accumulation, full_state, model_changes
 from paramfsm.assembly import PARTITIONED, SHARDED
 from paramfsm.engine import hooks, partitioned, placeholder
 
@@ -25,6 +25,7 @@ def remove_hooks(rt) -> None:
 def _forget(rt) -> None:
     """Stop the scheduler and trace and drop the model from the registries."""
     rt.scheduler.closed = True
+    model_changes.forget(rt._watch, rt.model)
     rt.executor.unsynced.drop()
     rt.trace.close()
     SHARDED.pop(rt.model, None)

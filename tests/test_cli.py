@@ -93,7 +93,7 @@ def test_no_traceback(runs, name):
 def test_spec_check_shipped(runs):
     done = runs["spec_check"]
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("OK: ") and "4 states" in done.stdout and "12 events" in done.stdout
+    assert done.stdout.startswith("OK: ") and "4 states" in done.stdout and "14 events" in done.stdout
     assert str(DEFAULT_SPEC) in done.stdout and done.stderr == ""
 
 

@@ -39,9 +39,9 @@ NA, INFLIGHT, AVAILABLE, DEFERRED = State.NOT_AVAILABLE, State.INFLIGHT, State.A
 #: Events a well-behaved training loop sends in each state (DESIGN §3), to reach deep states often.
 LIFECYCLE = {
     NA: ("fetch", "prefetch"),
-    INFLIGHT: ("arrive", "fetch", "abandon"),
-    AVAILABLE: ("release", "release", "fetch", "grad_ready", "grad_kept", "abandon"),
-    DEFERRED: ("fetch", "flush", "graph_freed", "grad_ready", "grad_kept", "grad_sync"),
+    INFLIGHT: ("arrive", "fetch", "abandon", "shard_written"),
+    AVAILABLE: ("release", "release", "fetch", "grad_ready", "grad_kept", "abandon", "written_back", "shard_written"),
+    DEFERRED: ("fetch", "flush", "graph_freed", "grad_ready", "grad_kept", "grad_sync", "shard_written"),
 }
 
 
@@ -71,6 +71,10 @@ class Facts:
             return not self.pending
         if event == "demand":  # only an empty parameter's placeholder asks for an on-demand gather
             return self.full
+        if event == "shard_written":  # a held copy would go stale under its holder
+            return self.holds > 0 and self.gathered
+        if event == "written_back":  # only a gathered, non-deferred copy is written back
+            return not self.full or self.deferred
         return False
 
     def run(self, effects: tuple[str, ...]) -> None:
@@ -103,6 +107,8 @@ class Facts:
                 self.unsynced = True
             elif effect == "sync_grad":
                 self.unsynced = False
+            elif effect == "write_back":
+                assert self.full and not self.deferred, "write_back without a gathered copy"
 
     def agrees_with(self, rec: fsm.Lifetime) -> None:
         """The record's state and holds must be what these facts imply."""
@@ -178,7 +184,8 @@ class LifetimeMachine(RuleBasedStateMachine):
         assert isinstance(effects, tuple) and set(effects) <= EFFECTS, effects
         if len(self.trace) == n_records:  # an ignore row
             assert effects == () and (rec.state, rec.holds) == (src, holds), "an ignored event changed something"
-            assert event not in ("fetch", "demand", "release", "arrive", "grad_ready", "grad_kept", "grad_sync"), \
+            assert event not in ("fetch", "demand", "release", "arrive", "grad_ready", "grad_kept", "grad_sync",
+                                 "written_back"), \
                 f"{event} in {src.name} was ignored"
         else:
             last = self.trace.records[-1]
@@ -205,6 +212,10 @@ class LifetimeMachine(RuleBasedStateMachine):
             assert dst is NA, f"{event} must leave {rec.name} NOT_AVAILABLE"
         if event == "arrive":
             assert dst is AVAILABLE and effects == ("unpack",)
+        if event == "shard_written":
+            assert dst is NA, "after a shard write no full copy gathered before it may stay"
+        if event == "written_back":
+            assert dst is AVAILABLE and effects == ("write_back",), "a write-back keeps the held copy"
         if event in ("grad_ready", "grad_kept", "grad_sync"):
             want = {"grad_ready": "reduce_grad", "grad_kept": "keep_grad", "grad_sync": "sync_grad"}[event]
             assert dst is src and effects == (want,), f"{event} must only move the gradient ({effects})"

@@ -80,7 +80,8 @@ GUARDS: Mapping[str, Callable[[int, bool, bool], bool]] = {
 
 #: Effects the executor knows how to run, in the order a row lists them.
 EFFECTS = frozenset(
-    {"start_gather", "unpack", "discard_gather", "free", "defer", "undefer", "reduce_grad", "keep_grad", "sync_grad"}
+    {"start_gather", "unpack", "discard_gather", "free", "defer", "undefer", "reduce_grad", "keep_grad", "sync_grad",
+     "write_back"}
 )
 
 #: Invariants the runtime (and ``paramfsm.testing``) can check for a state.

@@ -16,16 +16,25 @@ PRE_BACKWARD, POST_BACKWARD = "pre_backward", "post_backward"
 GRAD_READY, BACKWARD_END, GRAPH_FREED = "grad_ready", "backward_end", "graph_freed"
 FLUSH = "flush"
 DEMAND = "demand"  # a parameter read outside its unit (paramfsm.engine.on_demand)
+# Shards written from elsewhere (an optimizer step, a load, init), and a write-back from rt.gathered:
+# the event carries the records (paramfsm.engine.shard_writes).
+SHARDS_WRITTEN, WRITTEN_BACK = "shards_written", "written_back"
 
 
 class Event:
-    """What a hook saw: its kind, the unit (or record), the graph task and whether it keeps its graph."""
+    """What a hook saw: its kind, the unit (or record), the graph task and whether it keeps its graph.
 
-    __slots__ = ("kind", "unit", "graph_task", "keep_graph", "record", "call")
+    ``records``: the parameters a shard write names (``SHARDS_WRITTEN``, ``WRITTEN_BACK``),
+    ``changed`` the parameters among them whose values it changes, and ``why`` what wrote them,
+    for error messages (see :mod:`paramfsm.engine.shard_writes`).
+    """
 
-    def __init__(self, kind, unit=None, graph_task=gt.NO_TASK, keep_graph=False, record=None, call=None):
+    __slots__ = ("kind", "unit", "graph_task", "keep_graph", "record", "call", "records", "changed", "why")
+
+    def __init__(self, kind, unit=None, graph_task=gt.NO_TASK, keep_graph=False, record=None, call=None,
+                 records=(), changed=(), why=""):
         self.kind, self.unit, self.graph_task, self.keep_graph = kind, unit, graph_task, keep_graph
-        self.record, self.call = record, call
+        self.record, self.call, self.records, self.changed, self.why = record, call, records, changed, why
 
     def __repr__(self) -> str:
         target = self.unit.name if self.unit is not None else getattr(self.record, "name", "")

@@ -10,17 +10,22 @@ deferred-bytes bound, per-graph-task bookkeeping, and the leak audit.
 The backward handlers live in :mod:`paramfsm.engine.backward`.
 
 [Note: flushing deferred parameters at a new forward]
-A new root forward (outside backward) flushes every deferred parameter. An
-optimizer step may have changed the shards since they were gathered, so a
-deferred full copy may be stale; every rank runs the same forwards, so the
-flush is rank-consistent. It only costs a re-gather for a backward over an
-older retained graph, which is correct (deferral is an optimisation).
+A new root forward (outside backward) flushes every deferred parameter: a
+new iteration begins, and a copy kept for an older retained graph would hold
+memory for a backward that rarely comes. Staleness is not the reason: a
+write to a shard (an optimizer step, a load) drops the copies gathered before
+it wherever it happens (:mod:`paramfsm.engine.shard_writes`), also between two
+forwards of a submodule that never reach the root. Every rank runs the same
+forwards, so the flush is rank-consistent. It only costs a re-gather for a
+backward over an older retained graph, which is correct (deferral is an
+optimisation).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from functools import partial
 
 from paramfsm.core.fsm import StepContext, step, step_many
 from paramfsm.core.machine import CrossCheckedStep
@@ -30,11 +35,12 @@ from paramfsm.engine import partitioned
 from paramfsm.engine.backward import BackwardHandlers
 from paramfsm.engine.events import (
     BACKWARD_END, DEMAND, FLUSH, FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, GRAPH_FREED, POST_BACKWARD,
-    POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event, TaskState,
+    POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, SHARDS_WRITTEN, WRITTEN_BACK, Event, TaskState,
 )
 from paramfsm.engine.grad_order import GradOrder
 from paramfsm.engine.on_demand import OnDemandHandlers
 from paramfsm.engine.plan import PassState, Plan
+from paramfsm.engine.shard_writes import ShardWrites, copy_into_shards
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +106,9 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
             "reduce_grad": self.take_grads,
             "keep_grad": executor.unsynced.keep,
             "sync_grad": executor.unsynced.sync,
+            "write_back": partial(copy_into_shards, executor.rank),
         }
+        writes = ShardWrites(self._step, self.release_kept)
         # Off under rt.no_sync(): gradients are kept, not reduce-scattered (paramfsm.engine.grad_sync).
         self.sync_grads = True
         self._handlers = {
@@ -110,6 +118,7 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
             GRAD_READY: self._on_grad_ready, BACKWARD_END: self._on_backward_end,
             GRAPH_FREED: self._on_graph_freed, FLUSH: lambda ev: self.flush(),
             FORWARD_FAILED: self._on_forward_failed, DEMAND: self._on_demand,
+            SHARDS_WRITTEN: writes.written, WRITTEN_BACK: writes.written_back,
         }
 
     # ------------------------------------------------------------------ queue
@@ -240,6 +249,14 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
         for unit in holds.values():
             self.release(unit, False)
 
+    def release_kept(self, units) -> None:
+        """Release the forward holds kept for a backward of any of ``units`` (their shards are written)."""
+        if self.forward_holds:
+            for call, unit in list(self.forward_holds.items()):
+                if unit in units:
+                    del self.forward_holds[call]
+                    self.release(unit, False)
+
     def _abandon(self, plan: Plan, passes: PassState) -> None:
         """Drop prefetched parameters nobody fetched in a pass that ended."""
         for bucket in passes.issued:
@@ -269,6 +286,15 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
     def _undefer(self, rec) -> None:
         if self.deferred.pop(rec, 0) is None:
             self.deferred_bytes -= rec.nbytes
+
+    def shards_written(self, records, changed, why: str) -> None:
+        """The shards of ``records`` are about to be written by ``why`` (``changed``: the ones whose values
+        change); see :mod:`paramfsm.engine.shard_writes`."""
+        self.emit(Event(SHARDS_WRITTEN, records=records, changed=changed, why=why))
+
+    def write_back(self, records) -> None:
+        """Write the held full copies of ``records`` back into their shards (``rt.gathered(writeback=True)``)."""
+        self.emit(Event(WRITTEN_BACK, records=records))
 
     def request_flush(self) -> None:
         """rt.flush(): queued like any event, so it never interleaves with a step in progress."""
@@ -330,9 +356,8 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
     def hold(self, unit) -> None:
         """Fetch a unit for use outside forward/backward (rt.gathered).
 
-        Deferred copies and units a forward kept for its backward may be stale
-        after an optimizer step, so they are returned first (see [Note: flushing
-        deferred parameters at a new forward]).
+        Deferred copies and units a forward kept for its backward are returned
+        first, so the block holds the unit alone and its end releases it.
         """
         if self.forward_holds:
             self.release_forward_holds()
