@@ -8,7 +8,10 @@ Per unit module:
   graph it registers a pre-hook on their nodes that emits ``PRE_BACKWARD``
   (in every graph task that reaches them: retained-graph backward passes and
   checkpoint recomputation included) and ties a :class:`ForwardCall` to the
-  graph, whose collection emits ``GRAPH_FREED``.
+  graph, whose collection emits ``GRAPH_FREED``. Outputs of any structure are
+  walked by :mod:`paramfsm.engine.outputs` (a plain tensor stays on a fast
+  path); an output view's base is hooked too (see [Note: an output view is
+  hooked at its base too]).
 
 Per parameter that requires grad (:func:`watch_grads`; the scheduler adds
 and removes them when ``requires_grad`` changes): a post-accumulate-grad hook emits
@@ -55,6 +58,28 @@ register. The chain (:class:`_Chain`) remembers only the last unit's output
 node, from its post-forward to the next pre-forward or the end of the root
 forward, so it keeps no graph alive.
 
+[Note: an output view is hooked at its base too]
+A unit that returns a view (``h.view(...)``, ``h.transpose(...)``,
+``h.squeeze(0)``) hands back a tensor whose node the caller's in-place op
+replaces: ``h = unit(x); h += y`` puts ``CopySlices`` over the base's node
+and replays the view on top, so the view's original node, which carries
+the unit's hook, never runs and the unit's backward would find its
+parameters released. The node of the view's base does run, after
+``CopySlices`` and before every node of the unit that the view depends on,
+so it carries a hook as well (:func:`_on_base_grad`; which bases, in
+[Note: the base of an output view] in :mod:`paramfsm.engine.outputs`).
+Without an in-place op both nodes run, the view's first, so the unit's
+``PRE_BACKWARD`` comes twice in one graph task; the scheduler takes one per
+``ForwardCall`` and task (``TaskState.seen``), as it already does for a unit
+whose several outputs have several nodes, and the higher-order hooks are
+registered once. The base's hook emits only ``PRE_BACKWARD``, never the
+post-backward of the units chained on the view's node (``ForwardCall.after``,
+[Note: a chain of units shares one hook]), which must come once: a chained
+unit consumed the view's original node, and its own backward runs that node
+whatever the caller did to the view afterwards; a unit that consumes the view
+after the in-place op finds a new node, not the chain's, and hooks its input
+tensor instead.
+
 [Note: higher-order hooks come when they are needed]
 A parameter's gradient needs routing only in a backward that records its
 graph (``create_graph=True``: grad mode is on inside it). The unit's
@@ -74,12 +99,13 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from paramfsm.engine import graph_task as gt
-from paramfsm.engine import higher_order
+from paramfsm.engine import higher_order, outputs
 from paramfsm.engine.compile_guard import eager
 from paramfsm.engine.events import (
     FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event,
     ForwardCall,
 )
+from paramfsm.errors import UnsupportedOutput
 
 
 class _PostBackward(torch.autograd.Function):
@@ -121,6 +147,15 @@ def _on_output_grad(call: ForwardCall, grad_outputs):
         _watch_higher_order(emit, call.unit)
     emit(Event(PRE_BACKWARD, call.unit, task, keep, call=call))
     return routed
+
+
+def _on_base_grad(call: ForwardCall, grad_outputs):
+    """The hook on the base of an output view: the unit's ``PRE_BACKWARD`` alone (see [Note: an output view is
+    hooked at its base too])."""
+    emit = call.emit
+    if torch.is_grad_enabled():
+        _watch_higher_order(emit, call.unit)
+    emit(Event(PRE_BACKWARD, call.unit, gt.backward_task(), gt.keeps_graph(), call=call))
 
 
 def _watch_higher_order(emit, unit) -> None:
@@ -201,26 +236,36 @@ def _pre_forward(emit, unit, chain, module, args, kwargs):
 
 
 def _post_forward(emit, unit, chain, module, args, output):
-    call = None
+    """``POST_FORWARD``, after hooking the output's nodes; an output the hooks cannot look into is refused
+    once the unit is released (``UnsupportedOutput``)."""
+    call = refused = None
     task = gt.current_task()
     if torch.is_grad_enabled():
-        if isinstance(output, torch.Tensor):
+        if isinstance(output, torch.Tensor):  # the common case: no walk
             node = output.grad_fn
             nodes = [node] if node is not None else []
+            bases = outputs.view_bases((output,), nodes, args) if nodes and output._is_view() else ()
         else:
-            flat, _ = tree_flatten(output)
-            nodes = list({id(t.grad_fn): t.grad_fn for t in flat
-                          if isinstance(t, torch.Tensor) and t.grad_fn is not None}.values())
+            try:
+                nodes, bases = outputs.graph_nodes(unit, output, args)
+            except UnsupportedOutput as exc:
+                nodes, bases, refused = (), (), exc
         if nodes:
             call = ForwardCall(unit, emit)
             hook = partial(_on_output_grad, call)
             for node in nodes:
                 node.register_prehook(hook)
+            if bases:
+                hook = partial(_on_base_grad, call)
+                for node in bases:
+                    node.register_prehook(hook)
             if chain.node is nodes[0]:  # a unit nested in this one produced it: its hook runs first
                 chain.node = chain.call = None
             elif task == gt.NO_TASK and len(nodes) == 1 and isinstance(output, torch.Tensor):
                 chain.node, chain.call = nodes[0], call
     emit(Event(POST_FORWARD, unit, task, call=call))
+    if refused is not None:
+        raise refused
     return None
 
 
