@@ -25,6 +25,7 @@ from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
 from paramfsm.engine import hooks, on_demand, partitioned, reshard
 from paramfsm.engine.collectives import resolve_group, resolve_mesh, timeout_s
+from paramfsm.engine.compile_guard import eager
 from paramfsm.engine.executor import Executor
 from paramfsm.engine.flight import FlightRecorder, make_trace
 from paramfsm.engine.scheduler import Scheduler
@@ -204,7 +205,7 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
         rt.executor.free((rec,))
     rt._handles = hooks.install(model, rt.units, records, rt.scheduler.emit)
     rt._watch = model_changes.watch(model, records, trace_rank)
-    rt._handles.append(model.register_forward_pre_hook(lambda module, args: rt._watch.check(), prepend=True))
+    rt._handles.append(model.register_forward_pre_hook(eager(lambda module, args: rt._watch.check()), prepend=True))
     meta.watch(rt, born_meta, device)
     on_demand.watch(records, rt.scheduler)
     if param_dtype is not None:

@@ -34,6 +34,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
+from paramfsm.engine.compile_guard import eager
 from paramfsm.errors import ModelChanged
 
 #: module of a sharded model -> that model's :class:`Watch`
@@ -123,7 +124,7 @@ def _arm() -> None:
     """Refuse the next forward of any watched module (see [Note: how a change is seen])."""
     global _forward_hook
     if _forward_hook is None:
-        _forward_hook = register_module_forward_pre_hook(_refuse_changed)
+        _forward_hook = register_module_forward_pre_hook(eager(_refuse_changed))
 
 
 def _refuse_changed(module, args) -> None:
