@@ -63,6 +63,9 @@ verify: install
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:tiny_transformer --examples 50
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:branchy_lm --world-size 3 --examples 20
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:tiny_transformer_meta --world-size 3 --examples 10
+	$(PY) -m paramfsm verify paramfsm.testing.subjects:gan_pair --examples 20
+	$(PY) -m paramfsm verify paramfsm.testing.subjects:structured_outputs --examples 10
+	$(PY) -m paramfsm verify paramfsm.testing.subjects:view_outputs --examples 10
 
 # The GPU check needs a Python whose torch is a CUDA build (the .venv above holds the CPU wheel);
 # it installs the cuda extra into that Python when CuPy is missing. Exit 2: no GPU here.

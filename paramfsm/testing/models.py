@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -54,3 +58,92 @@ def mlp(width: int = 8, depth: int = 3, d_in: int = 4, d_out: int = 3) -> nn.Seq
         layers += [nn.Linear(width, width), nn.Tanh()]
     layers.append(nn.Linear(width, d_out))
     return nn.Sequential(*layers)
+
+
+class GanPair(nn.Module):
+    """A generator and a discriminator in one root, as a GAN sharded as one model: ``disc(gen(z))``."""
+
+    def __init__(self, noise: int = 5, width: int = 7, data: int = 6):
+        super().__init__()
+        self.gen = nn.Sequential(nn.Linear(noise, width), nn.Tanh(), nn.Linear(width, data))
+        self.disc = nn.Sequential(nn.Linear(data, width), nn.Tanh(), nn.Linear(width, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.disc(self.gen(z))
+
+
+@dataclasses.dataclass
+class Encoded:
+    """What :class:`Encoder` returns: a plain dataclass, not a registered pytree node."""
+
+    features: torch.Tensor
+    gate: torch.Tensor
+
+
+#: What :class:`Scorer` returns: a namedtuple holding a nested container.
+Scored = collections.namedtuple("Scored", "value extras")
+
+
+class Encoder(nn.Module):
+    """A unit whose forward returns a dataclass."""
+
+    def __init__(self, d_in: int = 5, width: int = 7):
+        super().__init__()
+        self.proj = nn.Linear(d_in, width)
+        self.gate = nn.Linear(d_in, width)
+
+    def forward(self, x: torch.Tensor) -> Encoded:
+        return Encoded(self.proj(x), self.gate(x))
+
+
+class Scorer(nn.Module):
+    """A unit whose forward returns a namedtuple with a dict of lists inside."""
+
+    def __init__(self, width: int = 7, d_out: int = 5):
+        super().__init__()
+        self.value = nn.Linear(width, d_out)
+        self.aux = nn.Linear(width, 3)
+
+    def forward(self, h: torch.Tensor) -> Scored:
+        return Scored(self.value(h), {"aux": [self.aux(h)]})
+
+
+class StructuredNet(nn.Module):
+    """Units returning a dataclass and a namedtuple of nested containers (make each class one unit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = Encoder()
+        self.scorer = Scorer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        encoded = self.enc(x)
+        scored = self.scorer(encoded.features * torch.sigmoid(encoded.gate))
+        return scored.value + scored.extras["aux"][0].mean(-1, keepdim=True)
+
+
+class Lift(nn.Module):
+    """A unit that returns a view of its result (``linear(x).unsqueeze(0)``)."""
+
+    def __init__(self, d_in: int = 5, width: int = 7):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, d_in) / d_in ** 0.5)
+        self.bias = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias).unsqueeze(0)
+
+
+class ViewNet(nn.Module):
+    """An in-place op on a view of a unit's output: ``h = lift(x).squeeze(0); h += mix(x)``."""
+
+    def __init__(self, d_in: int = 5, width: int = 7):
+        super().__init__()
+        self.lift = Lift(d_in, width)
+        self.mix = nn.Linear(d_in, width)
+        self.out = nn.Linear(width, d_in)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lift(x).squeeze(0)
+        h += self.mix(x)
+        return self.out(torch.tanh(h))

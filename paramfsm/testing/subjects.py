@@ -9,6 +9,12 @@ missing on some ranks and reads outside a unit: a mixture of experts routed
 by token id, made one unit, and an output layer tied through ``F.linear``.
 ``once_differentiable_mlp`` has an activation without double backward, so
 plain torch cannot run its gradient penalties: verify rejects those programs.
+The subjects of the user-loop ops (:mod:`paramfsm.verify.user_loop_intents`):
+``gan_pair``, a generator and a discriminator in one root with an optimizer
+each; ``structured_outputs``, units returning a dataclass and a namedtuple of
+nested containers; ``view_outputs``, a unit returning a view and an in-place
+op on a view of a unit's output; ``mlp_one_unit``, a model sharded as one
+unit (no unit below the root for a sub-forward to run).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paramfsm.testing.models import Block, TinyTransformer, mlp
+from paramfsm.testing.models import Block, Encoder, GanPair, Scorer, StructuredNet, TinyTransformer, ViewNet, mlp
 from paramfsm.verify.subject import Subject
 
 # Odd sizes on purpose: with a width of 13 and a vocabulary of 29, most parameters (embedding and
@@ -68,6 +74,33 @@ def regression_batch(generator: torch.Generator, n: int):
 def mlp_regression() -> Subject:
     """A tanh MLP with a mean-squared-error loss (sizes 35, 49, 7, 5: none divisible by 2 or 3)."""
     return Subject(mlp(width=7, depth=3, d_in=5, d_out=5), regression_batch, F.mse_loss)
+
+
+def mlp_one_unit() -> Subject:
+    """``mlp_regression`` sharded as one unit (``units=lambda name, module: False``)."""
+    return Subject(mlp(width=7, depth=3, d_in=5, d_out=5), regression_batch, F.mse_loss,
+                   units=lambda name, module: False)
+
+
+def noise_batch(generator: torch.Generator, n: int):
+    """Noise for the generator and a real-or-fake label per sample."""
+    return torch.randn(n, 5, generator=generator), torch.randint(0, 2, (n, 1), generator=generator).float()
+
+
+def gan_pair() -> Subject:
+    """``GanPair``: G and D one unit each, one optimizer each (``parts``; D, the last, is the critic)."""
+    return Subject(GanPair(), noise_batch, F.binary_cross_entropy_with_logits, units=[nn.Sequential],
+                   parts=("gen", "disc"))
+
+
+def structured_outputs() -> Subject:
+    """``StructuredNet``: one unit returns a plain dataclass, one a namedtuple of a dict of lists."""
+    return Subject(StructuredNet(), regression_batch, F.mse_loss, units=[Encoder, Scorer])
+
+
+def view_outputs() -> Subject:
+    """``ViewNet``: a unit returns a view; the root adds to a view of it in place."""
+    return Subject(ViewNet(), regression_batch, F.mse_loss)
 
 
 class BranchyLM(nn.Module):

@@ -33,11 +33,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from paramfsm.core.spec import State
-from paramfsm.verify import checks, loop_helpers, sync_checks
+from paramfsm.verify import checks, loop_helpers, sync_checks, user_loops
 from paramfsm.verify.mirror import Mirror, loss_of, penalised  # noqa: F401 - re-exported for the runner
 from paramfsm.verify.ops import (
-    Backward, Checkpoint, Config, Drop, Flush, Forward, FullState, Gathered, GradSync, Loss, NoSync, Penalty, Step,
-    SyncGradients, ZeroGrad,
+    Backward, Checkpoint, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite, GradSync, Loss,
+    NoSync, PartStep, Penalty, Save, Step, SubForward, SyncGradients, ZeroGrad,
 )
 from paramfsm.verify.subject import describe, global_batch, split
 
@@ -97,7 +97,10 @@ class Checker:
         self.owner: dict[int, int] = {}  # loss -> output
         self.modes: dict[int, str] = {}  # output -> the mode of the forward that made it
         self.released = False  # the op must leave nothing deferred
-        self.fresh = True  # no optimizer step since the last forward: gathered data must be current
+        # Parameters modified (a step, a write) since a forward last ran them: their gathered data may be older.
+        self.unfresh: set[str] = set()
+        self.names = {id(p): name for name, p in self.mirror.model.named_parameters()}
+        self.dirs: list[str] = []  # DCP folders of Save ops, removed at the end
         self.marks: list[int] = []  # trace length before each op
         # Gradient sync: the switch, an open no_sync window, whether a backward kept gradients since they
         # were last synchronised or zeroed, and whether sync was on when the op began.
@@ -135,7 +138,7 @@ class Checker:
         self.syncing = self.sync_on and not self.window
         self._graphs = sync_checks.graphs_of(rt) if isinstance(op, Forward) else {}
         try:
-            for batch in {getattr(op, "batch", None)} - {None}:
+            for batch in {getattr(op, "batch", None), *getattr(op, "batches", ())} - {None}:
                 self.batch(batch)
             self.mirror.apply(op, self.slices)
         except Exception as exc:  # noqa: BLE001 - whatever plain torch raises rejects the op
@@ -145,8 +148,8 @@ class Checker:
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
-        if exc is not None and not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not a finding
-            return False
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):  # not a finding; DCP's
+            return False  # CheckpointException derives from BaseException and is one
         failure = None
         if isinstance(exc, Failed):
             failure = exc
@@ -173,13 +176,29 @@ class Checker:
     def _stop(self) -> None:
         """Detach the runtime without any collective: after a failure its state may be inconsistent."""
         self.rt.detach()
+        self._remove_dirs()
+
+    def _remove_dirs(self) -> None:
+        if self.rank == 0:
+            for path in self.dirs:
+                shutil.rmtree(path, ignore_errors=True)
+        self.dirs.clear()
+
+    def _names(self, params) -> set[str]:
+        return {self.names[id(p)] for p in params}
 
     def _track(self, op) -> None:
-        if isinstance(op, Forward):
-            self.fresh = True
-            if op.out >= 0:
-                self.alive.add(op.out)
-                self.modes[op.out] = op.mode
+        if isinstance(op, (Forward, Evaluate)):
+            self.unfresh.clear()
+        if isinstance(op, (Forward, SubForward)) and op.out >= 0:
+            self.alive.add(op.out)
+            self.modes[op.out] = op.mode if isinstance(op, Forward) else "sub"
+        if isinstance(op, SubForward):
+            self.unfresh -= self._names(self.mirror.model.get_submodule(op.module).parameters())
+        elif isinstance(op, PartStep):
+            self.unfresh |= self._names(p for g in self.mirror.opts[op.part].param_groups for p in g["params"])
+        elif isinstance(op, GatheredWrite):
+            self.unfresh.add(op.param)
         elif isinstance(op, Loss):
             self.owner[op.loss] = op.out
         elif isinstance(op, (Backward, Penalty)):
@@ -194,7 +213,7 @@ class Checker:
             self.alive.discard(op.out)
             self.retained.discard(op.out)
         elif isinstance(op, Step):
-            self.fresh = False
+            self.unfresh = set(self.mirror.params)
         elif isinstance(op, (ZeroGrad, SyncGradients)):
             self.accumulating = False
         elif isinstance(op, NoSync):
@@ -234,15 +253,17 @@ class Checker:
         problems = self._reshard_problems(op)
         if problems:
             raise Failed("reshard", problems)
-        if self.fresh:
-            problems = checks.full_values(rt, self.mirror.params, self.atol, self.rtol)
-            if problems:
-                raise Failed("stale data", problems)
-        state_op = isinstance(op, (FullState, Checkpoint))  # one all-gather per parameter, by design
+        fresh = {k: v for k, v in self.mirror.params.items() if k not in self.unfresh}
+        problems = checks.full_values(rt, fresh, self.atol, self.rtol)
+        if problems:
+            raise Failed("stale data", problems)
+        state_op = isinstance(op, (FullState, Checkpoint, Save))  # one all-gather per parameter, by design
+        forwards = len(op.batches) - 1 if isinstance(op, Evaluate) else 0  # an eval segment's later forwards
         problems = checks.communication(type(op).__name__, self._before, rt.counters,
                                         all_deferred=self._all_deferred,
                                         grad_params=sum(rec.requires_grad for rec in checks.records(rt)),
-                                        units=len(rt.units), extra_gathers=len(checks.records(rt)) * state_op)
+                                        units=len(rt.units), extra_gathers=len(checks.records(rt)) * state_op
+                                        + 2 * len(rt.units) * forwards)
         if problems:
             raise Failed("communication", problems)
         if isinstance(op, Step) and self.scaler is not None:
@@ -255,7 +276,7 @@ class Checker:
         """A forward that recorded a graph holds its kept units; one that recorded none holds nothing."""
         if isinstance(op, Forward) and op.out >= 0:
             return sync_checks.kept_after_forward(self.rt, self._graphs)
-        if isinstance(op, Forward) or isinstance(op, Gathered) and op.batch is not None:
+        if isinstance(op, (Forward, Evaluate)) or isinstance(op, Gathered) and op.batch is not None:
             return sync_checks.nothing_kept(self.rt, f"a {type(op).__name__} op" +
                                             (f" in mode {op.mode}" if isinstance(op, Forward) else ""))
         return []
@@ -304,6 +325,25 @@ class Checker:
                 problems.append(f"'{key}': this rank's DTensor chunk differs from the reference's slice")
         self._agreed("checkpoint", problems)
 
+    def same(self, value) -> None:
+        """After a loss, a unit's forward or an eval segment: ``value`` (this rank's) is plain torch's, tensor by
+        tensor (any container)."""
+        got, want = user_loops.tensors(value), user_loops.tensors(self.mirror.expected[self.rank])
+        what = f"{type(self._op).__name__} op"
+        if len(got) != len(want):
+            raise Failed("output", [f"the {what} gave {len(got)} floating-point tensors, plain torch {len(want)}"])
+        diffs = [checks.close(g.detach(), w.detach(), self.atol, self.rtol) for g, w in zip(got, want)]
+        problems = [f"tensor {i} of the {what}'s value differs from plain torch's by {d:.3g} (atol {self.atol})"
+                    for i, d in enumerate(diffs) if d is not None]
+        if problems:
+            raise Failed("output", problems)
+
+    def checkpoint_dir(self) -> str:
+        """A folder for a Save op's DCP checkpoint, the same on every rank, removed at the end (collective)."""
+        path = loop_helpers.scratch_dir(self.group)
+        self.dirs.append(path)
+        return path
+
     def scratch_dir(self) -> str:
         """A temporary folder for a DCP checkpoint, the same on every rank, removed after the op (collective)."""
         path = loop_helpers.scratch_dir(self.group)
@@ -325,6 +365,8 @@ class Checker:
     def finish(self) -> None:
         """The trace replays through the spec, then ``rt.close()`` restores the reference parameters."""
         rt = self.rt
+        agree(self.group, _OK)  # every rank is done with the Save ops' folders
+        self._remove_dirs()
         index, problems = checks.trace_problems(rt.trace.records, rt.table)
         at = bisect.bisect_right(self.marks, index) - 1 if index is not None else None
         self._settle(Failed("trace", problems, op=at) if problems else None, at)

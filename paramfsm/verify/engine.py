@@ -48,6 +48,7 @@ from paramfsm.verify.mirror import blocks_of
 from paramfsm.verify.programs import Config, Program, Shape, canonical, programs
 from paramfsm.verify.reproduction import render
 from paramfsm.verify.runner import Options, Outcome, run_program
+from paramfsm.verify.user_loop_intents import learn
 from paramfsm.verify.subject import (
     FactoryError, Subject, describe, first_tensor, global_batch, import_root, load_subject, split, user_frame,
 )
@@ -168,7 +169,9 @@ def probe(factory, seed: int = 0, per_rank: int = 2) -> Shape:
     blocks = attempt("blocks", lambda: blocks_of(subject))
     for name in blocks:
         attempt(f"block {name!r}", lambda: subject.model.get_submodule(name))
-    return Shape(modules, subject.checkpoint, tensor_output, subject.create_graph, params, blocks, subject.meta)
+    loops = attempt("the user-loop ops", lambda: learn(subject, split(inputs, 1)[0], modules))
+    return Shape(modules, subject.checkpoint, tensor_output, subject.create_graph, params, blocks, subject.meta,
+                 **loops)
 
 
 class _Search:
@@ -292,7 +295,7 @@ def verify(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, p
     message = outcome.message + (f"\n{outcome.detail}" if outcome.detail else "")
     script = render(program, _factory_name(factory), per_rank=per_rank, seed=seed, fail_at=outcome.op,
                     message=f"{outcome.kind} check failed: {outcome.message}", fault=fault,
-                    path=import_root(factory), world=world_size, meta=shape.meta)
+                    path=import_root(factory), world=world_size, meta=shape.meta, parts=shape.parts)
     finding = Finding(program, outcome.op, outcome.kind, outcome.message, message, script)
     return Report(search.runs, seconds, finding, search.first[0], search.first[1], rejected)
 

@@ -24,6 +24,17 @@ reduce-scatter produces. What each op means in plain torch:
   ``RequiresGrad``: ``requires_grad_`` on the master's parameter.
 * ``NoSync``, ``GradSync``, ``SyncGradients``: nothing. Gradients kept under
   ``rt.no_sync()`` and reduce-scattered once are plain accumulation.
+* The user-loop ops (:mod:`paramfsm.verify.user_loops` does each for both
+  sides): a train forward records every module's inputs; ``SubForward`` runs
+  the unit on them (under ``param_dtype``, on a fresh low-precision copy of
+  the master, whose gradients are folded in with those of the source's
+  copies); ``PartStep`` and ``PartZeroGrad`` use one part's optimizer;
+  ``GatheredWrite`` is the same write on the plain parameter; ``Evaluate``
+  runs the eval forwards; ``Save`` and ``Restore`` copy and load
+  ``state_dict()`` (with the optimizers' for a DCP checkpoint).
+
+:attr:`Mirror.expected` is what paramfsm's value of the last op must equal
+(a loss, a unit's output, an eval segment's outputs), one entry per rank slice.
 """
 
 from __future__ import annotations
@@ -33,9 +44,11 @@ import copy
 import torch
 from torch.utils._pytree import tree_map
 
+from paramfsm.verify import user_loops
 from paramfsm.verify.ops import (
-    PENALTY_WEIGHT, Backward, Clip, Config, Drop, Forward, FullState, Gathered, Loss, Overflow, Penalty, RequiresGrad,
-    Step, Unscale, ZeroGrad,
+    PENALTY_WEIGHT, TREE_VARIANTS, Backward, Clip, Config, Drop, Evaluate, Forward, FullState, Gathered,
+    GatheredWrite, Loss, Overflow, PartStep, PartZeroGrad, Penalty, RequiresGrad, Restore, Save, Step, SubForward,
+    Unscale, ZeroGrad,
 )
 from paramfsm.verify.subject import first_tensor
 from paramfsm.verify.loop_helpers import (
@@ -44,13 +57,18 @@ from paramfsm.verify.loop_helpers import (
 
 NO_GRAD_MODES = ("no_grad", "eval_no_grad")
 TRAINING_MODES = ("train", "checkpoint", "no_grad", "reentrant")  # model.train() during the forward
+INFERENCE = "inference"  # the mirror's mode of an eval forward under torch.inference_mode()
 
 
 def loss_of(variant: int, out, targets, loss_fn, upcast: bool = False):
     """The program's loss ``variant``: the subject's loss, or the mean square or mean tanh of the output.
 
     ``upcast``: the output is in a low-precision compute dtype; the subject's loss sees it in fp32.
+    Variants 3 and 4 (:data:`~paramfsm.verify.ops.TREE_VARIANTS`) take every floating-point tensor of any
+    container (a unit's output).
     """
+    if variant in TREE_VARIANTS:
+        return user_loops.tree_loss(variant, out)
     if variant == 0:
         if upcast and isinstance(out, torch.Tensor) and out.is_floating_point():
             out = out.float()
@@ -75,7 +93,8 @@ class Mirror:
 
     def __init__(self, subject, world: int, config: Config = Config(), reference=None):
         self.model = copy.deepcopy(subject.model if reference is None else reference)
-        self.opt = subject.optimizer(self.model.parameters())
+        self.opts = user_loops.optimizers(subject, self.model, self.model.parameters())
+        self.opt = self.opts[0]
         self.loss_fn = subject.loss_fn
         self.world, self.config = world, config
         self.dtype = compute_dtype(config)
@@ -88,6 +107,10 @@ class Mirror:
         self.owner: dict[int, int] = {}  # loss -> output
         self.norm = None  # the total norm of the last Clip
         self.saved: dict = {}  # the state dict before the last FullState load
+        self.acts: dict[int, list] = {}  # train forward -> each slice's recorded module inputs
+        self.kept: dict[bool, tuple] = {}  # Save(full) -> (model state, optimizer states)
+        self.expected: list = []  # per slice: what paramfsm's value of the last op must equal
+        self.recorded: list = []  # each slice's module inputs in the last forward
 
     def grads(self) -> dict:
         return {name: p.grad for name, p in self.params.items()}
@@ -108,11 +131,18 @@ class Mirror:
             models = [self._low_copy() for _ in inputs]
             cast = lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             inputs = [tree_map(cast, x) for x in inputs]
-        outs = []
+        outs, acts = [], []
         for model, x in zip(models, inputs):
             model.train(mode in TRAINING_MODES)
             try:
-                if mode in NO_GRAD_MODES:
+                if mode == "train":
+                    with user_loops.record_inputs(model) as saved:
+                        outs.append(model(x))
+                    acts.append(saved)
+                elif mode == INFERENCE:
+                    with torch.inference_mode():
+                        outs.append(model(x))
+                elif mode in NO_GRAD_MODES:
                     with torch.no_grad():
                         outs.append(model(x))
                 elif mode == "checkpoint":
@@ -124,6 +154,7 @@ class Mirror:
                     outs.append(model(x))
             finally:
                 model.train()
+        self.recorded = acts
         return models, outs
 
     def _backward(self, op, total_of) -> None:
@@ -154,6 +185,8 @@ class Mirror:
             copies, outs = self._forward(op.mode, slices[op.batch][0])
             if op.out >= 0:
                 self.outs[op.out], self.copies[op.out] = outs, copies
+                if op.mode == "train":
+                    self.acts[op.out] = self.recorded
         elif isinstance(op, Gathered) and op.batch is not None:
             self._forward("no_grad", slices[op.batch][0])
         elif isinstance(op, Loss):
@@ -161,6 +194,7 @@ class Mirror:
             self.owner[op.loss] = op.out
             self.losses[op.loss] = [loss_of(op.variant, o, t, self.loss_fn, self.dtype is not None)
                                     for o, t in zip(self.outs[op.out], targets)]
+            self.expected = self.losses[op.loss]
         elif isinstance(op, Backward):
             self._backward(op, lambda loss: loss)
         elif isinstance(op, Penalty):
@@ -168,22 +202,24 @@ class Mirror:
             self._backward(op, lambda loss: penalised(loss, trainable))
         elif isinstance(op, Drop):
             del self.outs[op.out], self.copies[op.out]
+            self.acts.pop(op.out, None)
             for k in op.losses:
                 del self.losses[k]
         elif isinstance(op, ZeroGrad):
-            self.opt.zero_grad()
+            for opt in self.opts:
+                opt.zero_grad()
         elif isinstance(op, Step):
+            for opt in self.opts:
+                self.scaler.step(opt) if self.scaler is not None else opt.step()
             if self.scaler is not None:
-                self.scaler.step(self.opt)
                 self.scaler.update()
-            else:
-                self.opt.step()
         else:
-            self._apply_training_op(op)
+            self._apply_training_op(op, slices)
 
-    def _apply_training_op(self, op) -> None:
+    def _apply_training_op(self, op, slices) -> None:
         if isinstance(op, Unscale):
-            self.scaler.unscale_(self.opt)
+            for opt in self.opts:
+                self.scaler.unscale_(opt)
         elif isinstance(op, Overflow):
             overflow_reference(self.params[op.param], op.index)
         elif isinstance(op, Clip):
@@ -193,3 +229,33 @@ class Mirror:
             self.model.load_state_dict(perturbed(self.saved) if op.perturb else self.saved)
         elif isinstance(op, RequiresGrad):
             self.params[op.param].requires_grad_(op.flag)
+        else:
+            self._apply_user_loop_op(op, slices)
+
+    def _apply_user_loop_op(self, op, slices) -> None:
+        if isinstance(op, SubForward):
+            copies = [self.model] * self.world if self.dtype is None else [self._low_copy() for _ in range(self.world)]
+            outs = [user_loops.sub_forward(c.get_submodule(op.module), acts[op.module], op.detach, op.view)
+                    for c, acts in zip(copies, self.acts[op.source])]
+            self.outs[op.out], self.expected = outs, outs
+            self.copies[op.out] = copies + ([] if op.detach or self.dtype is None else self.copies[op.source])
+        elif isinstance(op, PartStep):
+            self.opts[op.part].step()
+        elif isinstance(op, PartZeroGrad):
+            self.opts[op.part].zero_grad()
+        elif isinstance(op, GatheredWrite):
+            with torch.no_grad():
+                user_loops.write(self.model.get_parameter(op.param), op.variant)
+        elif isinstance(op, Evaluate):
+            mode = INFERENCE if op.inference else "eval_no_grad"
+            outs = [self._forward(mode, slices[batch][0])[1] for batch in op.batches]
+            self.expected = [list(per_slice) for per_slice in zip(*outs)]
+        elif isinstance(op, Save):
+            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self.kept[op.full] = (state, [] if op.full else [copy.deepcopy(o.state_dict()) for o in self.opts])
+            self.saved = state
+        elif isinstance(op, Restore):
+            state, optimizer_states = self.kept[op.full]
+            self.model.load_state_dict(state)
+            for opt, saved in zip(self.opts, optimizer_states):
+                opt.load_state_dict(saved)

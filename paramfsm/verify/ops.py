@@ -16,6 +16,9 @@ MODES = ("train", "no_grad", "eval", "checkpoint", "eval_no_grad", "reentrant")
 AUTO_MODES = ("train", "checkpoint", "eval")  # forwards the normaliser adds before a loss
 GRAD_MODES = frozenset({"train", "eval", "checkpoint", "reentrant"})
 LOSS_VARIANTS = 3  # 0: the subject's loss_fn, 1: mean square of the output, 2: mean tanh of the output
+#: Loss variants of a submodule's output (:class:`SubForward`), whatever container holds its tensors: 3, the
+#: sum of the mean squares of its floating-point tensors; 4, the sum of their mean tanh.
+TREE_VARIANTS = (3, 4)
 PENALTY_WEIGHT = 0.1
 BATCHES = 4
 #: ``max_norm`` values a Clip op draws from: below the usual total norm, around it, and far above it
@@ -66,7 +69,8 @@ class Forward:
 
 @attrs.frozen(slots=True)
 class Loss:
-    """A scalar loss from an output (several losses may share one output and its graph)."""
+    """A scalar loss from an output (several losses may share one output and its graph); its value is
+    compared with plain torch's. ``variant``: see :data:`LOSS_VARIANTS` and :data:`TREE_VARIANTS`."""
 
     loss: int
     out: int
@@ -194,8 +198,81 @@ class SyncGradients:
     """``rt.sync_gradients()``: the gradients kept under ``no_sync`` reduce-scattered now (a no-op with none)."""
 
 
+@attrs.frozen(slots=True)
+class SubForward:
+    """``out = model.get_submodule(module)(*args, **kwargs)``: one unit run again on the inputs it got in the
+    train forward ``source`` (saved activations, kept alive with that forward's output).
+
+    ``detach``: the saved inputs detached first (a GAN's ``D(fake.detach())``), so the new graph holds only
+    the unit; otherwise it reaches back into ``source``'s graph. ``view``: before any loss, an in-place op on a
+    view of the unit's first floating-point output (``h = out[...]; h += 0.5``, as in
+    ``h = unit(x).squeeze(0); h += y``). The output may be any container (a dataclass, a namedtuple, nested
+    dicts and lists); it is compared with plain torch's.
+    """
+
+    out: int
+    module: str
+    source: int
+    detach: bool
+    view: bool
+
+
+@attrs.frozen(slots=True)
+class PartStep:
+    """``opts[part].step()``: the optimizer of one part of the model only (``Subject(parts=...)``, a GAN's G or D)."""
+
+    part: int
+
+
+@attrs.frozen(slots=True)
+class PartZeroGrad:
+    """``opts[part].zero_grad()``: the gradients of one part of the model only."""
+
+    part: int
+
+
+@attrs.frozen(slots=True)
+class GatheredWrite:
+    """``with torch.no_grad(), rt.gathered(module): model.get_parameter(param).mul_(0.5)`` (``variant`` 1:
+    ``.add_(0.01)``); every unit when ``module`` is None. The write must reach the shards, as the same write
+    on a plain model changes its parameter."""
+
+    module: str | None
+    param: str
+    variant: int
+
+
+@attrs.frozen(slots=True)
+class Evaluate:
+    """An eval segment: ``model.eval()``, a forward of each batch under ``torch.no_grad()`` (or
+    ``torch.inference_mode()`` when ``inference``), ``model.train()``; the outputs are compared with plain torch's."""
+
+    batches: tuple[int, ...]
+    inference: bool
+
+
+@attrs.frozen(slots=True)
+class Save:
+    """Keep the model's state for a later :class:`Restore`: ``sd = rt.full_state_dict()`` (``full``), or a DCP
+    checkpoint with the optimizer state, ``paramfsm.checkpoint.save(rt, path, optimizer=opt)``."""
+
+    full: bool
+
+
+@attrs.frozen(slots=True)
+class Restore:
+    """Go back to the last :class:`Save` of the same kind: ``rt.load_full_state_dict(sd)`` (``full``), or
+    ``paramfsm.checkpoint.load(rt, path, optimizer=opt)`` (parameters and optimizer state), anywhere in a loop."""
+
+    full: bool
+
+
+#: The ops of user training loops beyond driving the root module (see :mod:`paramfsm.verify.user_loop_intents`).
+USER_LOOP_OPS = (SubForward, PartStep, PartZeroGrad, GatheredWrite, Evaluate, Save, Restore)
+
 Op = (Forward | Loss | Backward | Penalty | Drop | ZeroGrad | Step | Flush | Gathered | Unscale | Overflow | Clip
-      | FullState | Checkpoint | RequiresGrad | NoSync | GradSync | SyncGradients)
+      | FullState | Checkpoint | RequiresGrad | NoSync | GradSync | SyncGradients | SubForward | PartStep
+      | PartZeroGrad | GatheredWrite | Evaluate | Save | Restore)
 
 
 @attrs.frozen(slots=True)
@@ -222,3 +299,15 @@ class Shape:
     params: tuple[tuple[str, int], ...] = ()
     blocks: tuple[str, ...] = ()
     meta: bool = False  # Subject(meta=True): the sharded model is a meta build (reproductions build it so)
+    #: ``Subject(parts=...)``: module names, one optimizer each (empty: one optimizer over every parameter).
+    parts: tuple[str, ...] = ()
+    #: The part of each entry of ``params`` (all 0 without parts).
+    param_parts: tuple[int, ...] = ()
+    #: The units a :class:`SubForward` may run again: ``(name, parts of its parameters, parts its saved inputs
+    #: depend on, whether plain torch can backward through an in-place op on a view of its output)``.
+    callees: tuple[tuple[str, tuple[int, ...], tuple[int, ...], bool], ...] = ()
+
+    @property
+    def optimizers(self) -> int:
+        """How many optimizers a program steps."""
+        return max(1, len(self.parts))

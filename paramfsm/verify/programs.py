@@ -10,7 +10,8 @@ rank and to the plain-torch reference (:mod:`paramfsm.verify.runner`).
 The strategy does not draw ops directly. It draws a list of *intents*
 (``(kind, a, b, flag)`` tuples of small integers) and :func:`normalise` turns
 them into ops while tracking which autograd graphs are alive, retained, freed
-by a backward, or stale after an optimizer step or a state-dict load, and
+by a backward, or stale after an optimizer step, a write or a state-dict load (see
+[Note: which graphs an op makes stale] in :mod:`paramfsm.verify.user_loop_intents`), and
 what the loop allows (a scaler steps only with gradients and unscales once
 per step; one parameter always stays trainable). An intent that cannot apply
 is completed (a backward with no loss first runs a forward and takes a loss)
@@ -34,9 +35,11 @@ from hypothesis import strategies as st
 from paramfsm.verify.accumulation_intents import ACCUMULATION_KINDS, AccumulationIntents
 from paramfsm.verify.ops import (  # noqa: F401 - the vocabulary, re-exported for existing imports
     AUTO_MODES, BATCHES, CLIP_NORM_TYPES, CLIP_NORMS, GRAD_MODES, LOSS_VARIANTS, MODES, PENALTY_WEIGHT, Backward,
-    Checkpoint, Clip, Config, Drop, Flush, Forward, FullState, Gathered, GradSync, Loss, NoSync, Op, Overflow,
-    Penalty, Program, RequiresGrad, Shape, Step, SyncGradients, Unscale, ZeroGrad,
+    Checkpoint, Clip, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite, GradSync, Loss,
+    NoSync, Op, Overflow, PartStep, PartZeroGrad, Penalty, Program, RequiresGrad, Restore, Save, Shape, Step,
+    SubForward, SyncGradients, Unscale, ZeroGrad,
 )
+from paramfsm.verify.user_loop_intents import USER_LOOP_KINDS, UserLoopIntents
 
 
 # ------------------------------------------------------------------ normaliser
@@ -49,16 +52,19 @@ class _Output:
     batch: int
     losses: list = attrs.Factory(list)
     freed: bool = False  # a backward without retain_graph freed its graph
-    stale: bool = False  # an optimizer step or a load modified parameters its graph saved
+    saved: dict = attrs.Factory(dict)  # part -> its version when the graph saved its parameters
     reentrant: bool = False  # its blocks ran under reentrant checkpointing (no autograd.grad through it)
+    graph: int = -1  # outputs of one graph (a unit run on saved inputs that were not detached) share its fate
+    sub: bool = False  # a unit's output (SubForward), not the root's
+    train: bool = False  # a train-mode root forward: its inputs are saved for SubForward ops
 
 
 KINDS = ("backward", "forward", "loss", "zero_grad", "step", "iteration", "drop", "flush",
          "gathered", "penalty", "multi_loss", "accumulate", "backward", "forward", "multi_loss",
-         "clip", "state_dict", "requires_grad", "overflow", "unscale") + ACCUMULATION_KINDS
+         "clip", "state_dict", "requires_grad", "overflow", "unscale") + ACCUMULATION_KINDS + USER_LOOP_KINDS
 
 
-class _Normaliser(AccumulationIntents):
+class _Normaliser(AccumulationIntents, UserLoopIntents):
     """Turns intents into ops, tracking the outputs (graphs) a valid program may still use.
 
     It also tracks what the loop's state allows: whether any gradient exists
@@ -78,9 +84,17 @@ class _Normaliser(AccumulationIntents):
         self.has_grads = False
         self.unscaled = False
         self.frozen: set[str] = set()
+        self.start_user_loops()
 
     def usable(self) -> list[_Output]:
-        return [o for o in self.outputs if not o.freed and not o.stale]
+        return [o for o in self.outputs if not o.freed and not self.stale(o)]
+
+    def new_output(self, batch: int, **kwargs) -> _Output:
+        out = _Output(self.next_out, batch, saved=self.current(range(self.shape.optimizers)), graph=self.next_out,
+                      **kwargs)
+        self.next_out += 1
+        self.outputs.append(out)
+        return out
 
     def forward(self, batch: int, mode: str) -> _Output | None:
         if mode == "checkpoint" and not self.shape.checkpoint or mode == "reentrant" and not self.shape.blocks:
@@ -88,19 +102,18 @@ class _Normaliser(AccumulationIntents):
         if mode not in GRAD_MODES:
             self.ops.append(Forward(-1, batch, mode))
             return None
-        out = _Output(self.next_out, batch, reentrant=mode == "reentrant")
-        self.next_out += 1
-        self.outputs.append(out)
+        out = self.new_output(batch, reentrant=mode == "reentrant", train=mode == "train")
         self.ops.append(Forward(out.id, batch, mode))
         return out
 
     def loss(self, out: _Output, variant: int) -> int:
-        if not self.shape.tensor_output:
+        if not self.shape.tensor_output and not out.sub:
             variant = 0
         loss = self.next_loss
         self.next_loss += 1
         out.losses.append(loss)
-        self.ops.append(Loss(loss, out.id, out.batch, variant % LOSS_VARIANTS))
+        variant = self.tree_variant(variant) if out.sub else variant % LOSS_VARIANTS
+        self.ops.append(Loss(loss, out.id, out.batch, variant))
         return loss
 
     def some_loss(self, a: int, b: int) -> tuple[_Output, int]:
@@ -118,12 +131,7 @@ class _Normaliser(AccumulationIntents):
         self.has_grads = True
         self.took_grads()
         if not retain:
-            out.freed = True
-
-    def modified(self) -> None:
-        """Parameters were modified in place (a step, a load): graphs that saved them cannot run backward."""
-        for out in self.outputs:
-            out.stale = True
+            self.free(out)
 
     def trainable(self) -> list[tuple[str, int]]:
         return [(name, numel) for name, numel in self.shape.params if name not in self.frozen]
@@ -144,7 +152,7 @@ class _Normaliser(AccumulationIntents):
             self.has_grads = True
             self.took_grads()
             if not flag:
-                out.freed = True
+                self.free(out)
         elif kind in ("backward", "penalty"):
             out, loss = self.some_loss(a, b)
             self.backward(out, loss, flag, bool(b % 2))
@@ -166,7 +174,7 @@ class _Normaliser(AccumulationIntents):
             self.synced()
             self.ops.append(Step())
             self.unscaled = False
-            self.modified()
+            self.stepped_parts(range(self.shape.optimizers))
         elif kind == "flush":
             self.ops.append(Flush())
         elif kind == "gathered":
@@ -174,6 +182,8 @@ class _Normaliser(AccumulationIntents):
             self.ops.append(Gathered(names[a % len(names)], b % BATCHES if flag else None))
         elif kind in ACCUMULATION_KINDS:
             self.accumulation_op(kind, a, b, flag)
+        elif kind in USER_LOOP_KINDS:
+            self.user_loop_op(kind, a, b, flag)
         else:
             self.training_op(kind, a, b, flag)
 
@@ -282,6 +292,35 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
                                            ("grad_sync", 0, 0, False), ("iteration", 0, 1, False),
                                            ("grad_sync", 0, 0, True), ("no_sync", 0, 1, False),
                                            ("no_sync", 5, 5, True))),
+    # User loops (paramfsm.verify.user_loop_intents). A step between a retained backward and the next forward
+    # of a unit that backward left deferred: the unit run again on its saved inputs must compute with the
+    # stepped weights (its graph is stale: only its output and loss are compared), then again on detached
+    # inputs, through a backward and a step.
+    (Config(), (("forward", 0, 0, False), ("backward", 0, 0, True), ("step", 0, 0, False),
+                ("sub_forward", 1, 0, False), ("sub_forward", 1, 0, True), ("backward", 1, 0, False),
+                ("step", 0, 0, False))),
+    # In-place writes inside rt.gathered: one unit's parameter while a retained graph keeps it deferred, then
+    # every unit's, then an iteration on the written weights.
+    (Config(), (("iteration", 0, 0, False), ("forward", 0, 1, False), ("backward", 0, 1, True),
+                ("gathered_write", 1, 0, False), ("gathered_write", 0, 1, True), ("iteration", 0, 2, False))),
+    # In-place ops on a view of a unit's output (h = unit(x)[...]; h += 0.5) through the saved inputs, then on
+    # detached inputs with a retained backward through rt.backward, and a step.
+    (Config(), (("forward", 0, 0, False), ("sub_forward", 2, 4, False), ("backward", 0, 4, False),
+                ("sub_forward", 0, 4, True), ("backward", 1, 5, True), ("step", 0, 0, False))),
+    # Two GAN iterations in one sharded root, the fake batch not detached (D's backward retains the graph,
+    # D steps, D runs again on the fake batch, G's backward goes through it; one optimizer per part).
+    (Config(), (("gan", 1, 0, False), ("gan", 0, 1, True))),
+    # Eval segments: under inference_mode between a retained backward and the final one, under no_grad after
+    # the step, then an iteration.
+    (Config(), (("forward", 0, 0, False), ("backward", 0, 0, True), ("evaluate", 1, 1, True),
+                ("backward", 0, 0, False), ("step", 0, 0, False), ("evaluate", 0, 2, False),
+                ("iteration", 0, 3, False))),
+    # A DCP checkpoint with the optimizer state saved after an iteration and restored while a retained graph is
+    # alive; a full state dict saved, an iteration, the state dict loaded back, an iteration.
+    (Config(), (("iteration", 0, 0, False), ("save_restore", 0, 0, False), ("iteration", 1, 1, False),
+                ("forward", 0, 2, False), ("backward", 0, 2, True), ("save_restore", 0, 0, True),
+                ("save_restore", 1, 0, False), ("iteration", 0, 3, False), ("save_restore", 1, 0, True),
+                ("iteration", 2, 1, True))),
 )
 
 

@@ -26,24 +26,34 @@ import runpy
 import sys
 import traceback
 
+import attrs
+
 from paramfsm.verify.ops import (
-    PENALTY_WEIGHT, Backward, Checkpoint, Clip, Drop, Flush, Forward, FullState, Gathered, GradSync, Loss, NoSync,
-    Overflow, Penalty, Program, RequiresGrad, Step, SyncGradients, Unscale, ZeroGrad,
+    PENALTY_WEIGHT, TREE_VARIANTS, Backward, Checkpoint, Clip, Drop, Evaluate, Flush, Forward, FullState, Gathered,
+    GatheredWrite, GradSync, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RequiresGrad, Restore,
+    Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.loop_helpers import SCALER
+from paramfsm.verify.user_loops import WRITES
 
 INDENT = "    "
 
 
 def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at: int | None = None,
            message: str = "", fault: str | None = None, path: str | None = None, world: int | None = None,
-           meta: bool = False) -> str:
+           meta: bool = False, parts: tuple[str, ...] = ()) -> str:
     """The program as a script for ``torchrun --nproc-per-node WORLD``; ``fail_at`` marks the failing op.
 
     ``fault``: the catalogued bug (:mod:`paramfsm.verify.faults`) the run injected; the script injects it too.
     ``path``: a folder the script puts first on ``sys.path`` (where the factory's module was imported from).
     ``meta``: the subject is ``Subject(meta=True)``: the script shards a meta build and initialises it.
+    ``parts``: the subject's ``parts``: the script builds one optimizer per part, ``opts``.
     """
+    script = _Script(frozenset(op.source for op in program.ops if isinstance(op, SubForward)), bool(parts))
+    loops = sorted(({"record_inputs"} if script.sources else set())
+                   | {"detached" for op in program.ops if isinstance(op, SubForward) and op.detach}
+                   | {"in_place_on_view" for op in program.ops if isinstance(op, SubForward) and op.view}
+                   | {"tree_loss" for op in program.ops if isinstance(op, Loss) and op.variant in TREE_VARIANTS})
     used = sorted({type(op).__name__ for op in program.ops} | {"Config"})
     helpers = sorted({"perturbed" for op in program.ops if isinstance(op, (FullState, Checkpoint))}
                      | {"force_overflow" for op in program.ops if isinstance(op, Overflow)}
@@ -70,12 +80,13 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         "",
         "import paramfsm",
         *(["import paramfsm.amp"] if scaled else []),
-        *(["import paramfsm.checkpoint"] if "Checkpoint" in used else []),
+        *(["import paramfsm.checkpoint"] if {"Checkpoint", "Save"} & set(used) else []),
         "from paramfsm.verify.checker import Checker",
         f"from paramfsm.verify.programs import {', '.join(used)}",
         "from paramfsm.verify.reproduction import run_reproduction",
         f"from paramfsm.verify.subject import {'for_sharding, initialise, ' if meta else ''}load_subject",
         *([f"from paramfsm.verify.loop_helpers import {', '.join(helpers)}"] if helpers else []),
+        *([f"from paramfsm.verify.user_loops import {', '.join(loops)}"] if loops else []),
         "",
         *([f"sys.path.insert(0, {path!r})  # where `paramfsm verify` imported the factory's module from"]
           if path else []),
@@ -97,7 +108,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         *([f"    scaler = paramfsm.amp.GradScaler(rt, {', '.join(f'{k}={v!r}' for k, v in SCALER.items())})"]
           if scaled else []),
         f"    check.attach(rt{', scaler' if scaled else ''})",
-        "    opt = subject.optimizer(rt.shard_parameters())",
+        ("    opts = [subject.optimizer(model.get_submodule(part).parameters()) for part in subject.parts]  # one "
+         "per part" if parts else "    opt = subject.optimizer(rt.shard_parameters())"),
         *(["    window = contextlib.ExitStack()  # a rt.no_sync() window spanning several ops"]
           if "NoSync" in used else []),
         "",
@@ -110,7 +122,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
     ]
     seen: set[int] = set()
     for index, op in enumerate(program.ops):
-        body = _render_op(op, seen, program.config)
+        body = _render_op(op, seen, program.config, script)
         if index == fail_at:
             mark = next((i for i in range(len(body) - 1, -1, -1)
                          if not body[i].lstrip().startswith(("del ", "check."))), len(body) - 1)
@@ -146,10 +158,26 @@ def _batch_line(batch: int, seen: set[int]) -> list[str]:
     return [f"x{batch}, y{batch} = batch({batch})"]
 
 
-def _render_op(op, seen: set[int], config) -> list[str]:
+@attrs.frozen(slots=True)
+class _Script:
+    """What rendering an op needs to know of the whole program: the forwards whose inputs are recorded,
+    whether the optimizers are one per part (``opts``) or one (``opt``)."""
+
+    sources: frozenset
+    parts: bool
+
+    def each(self, line: str) -> str:
+        """``line`` (about ``opt``) for the one optimizer, or in a loop over every part's."""
+        return f"for o in opts: {line.replace('opt', 'o')}" if self.parts else line
+
+
+def _render_op(op, seen: set[int], config, script: _Script) -> list[str]:
     if isinstance(op, Forward):
         call = f"model(x{op.batch})"
         pre = _batch_line(op.batch, seen)
+        if op.mode == "train" and op.out in script.sources:
+            return pre + [f"with record_inputs(model) as acts{op.out}:  # each module's inputs, for SubForward ops",
+                          f"    out{op.out} = {call}"]
         if op.mode == "train":
             return pre + [f"out{op.out} = {call}"]
         if op.mode == "checkpoint":
@@ -165,8 +193,9 @@ def _render_op(op, seen: set[int], config) -> list[str]:
     if isinstance(op, Loss):
         upcast = ".float()" if config.param_dtype else ""
         expr = (f"loss_fn(out{op.out}{upcast}, y{op.batch})", f"out{op.out}.float().pow(2).mean()",
-                f"out{op.out}.float().tanh().mean()")[op.variant]
-        return [f"loss{op.loss} = {expr}"]
+                f"out{op.out}.float().tanh().mean()", f"tree_loss(3, out{op.out})  # sum of mean squares",
+                f"tree_loss(4, out{op.out})  # sum of mean tanh")[op.variant]
+        return [f"loss{op.loss} = {expr}", f"check.same(loss{op.loss})  # plain torch's value"]
     if isinstance(op, Backward):
         arg = "retain_graph=True" if op.retain else ""
         loss = f"scaler.scale(loss{op.loss})" if config.scaled else f"loss{op.loss}"
@@ -181,11 +210,12 @@ def _render_op(op, seen: set[int], config) -> list[str]:
                 f"(loss{op.loss} + {PENALTY_WEIGHT} * penalty).backward({arg})",
                 "del params, grads, penalty"]
     if isinstance(op, Drop):
-        return ["del " + ", ".join([f"out{op.out}"] + [f"loss{k}" for k in op.losses])]
+        acts = [f"acts{op.out}"] if op.out in script.sources else []
+        return ["del " + ", ".join([f"out{op.out}"] + [f"loss{k}" for k in op.losses] + acts)]
     if isinstance(op, ZeroGrad):
-        return ["opt.zero_grad()"]
+        return [script.each("opt.zero_grad()")]
     if isinstance(op, Step):
-        return ["scaler.step(opt)", "scaler.update()"] if config.scaled else ["opt.step()"]
+        return [script.each("scaler.step(opt)"), "scaler.update()"] if config.scaled else [script.each("opt.step()")]
     if isinstance(op, Flush):
         return ["rt.flush()"]
     if isinstance(op, Gathered):
@@ -193,12 +223,12 @@ def _render_op(op, seen: set[int], config) -> list[str]:
         inner = [] if op.batch is None else ["    with torch.no_grad():", f"        model(x{op.batch})"]
         pre = [] if op.batch is None else _batch_line(op.batch, seen)
         return pre + [f"with rt.gathered({target}):"] + inner + [f"    check.inside_gathered({target})"]
-    return _render_training_op(op)
+    return _render_training_op(op, seen, script)
 
 
-def _render_training_op(op) -> list[str]:
+def _render_training_op(op, seen: set[int], script: _Script) -> list[str]:
     if isinstance(op, Unscale):
-        return ["scaler.unscale_(opt)"]
+        return [script.each("scaler.unscale_(opt)")]
     if isinstance(op, Overflow):
         return [f"force_overflow(rt, {op.param!r}, {op.index})  # an inf in one gradient element, on its owner rank"]
     if isinstance(op, Clip):
@@ -221,6 +251,43 @@ def _render_training_op(op) -> list[str]:
         return [f"rt.set_requires_gradient_sync({op.flag})"]
     if isinstance(op, SyncGradients):
         return ["rt.sync_gradients()"]
+    return _render_user_loop_op(op, seen, script)
+
+
+def _render_user_loop_op(op, seen: set[int], script: _Script) -> list[str]:
+    if isinstance(op, SubForward):
+        saved = f"acts{op.source}[{op.module!r}]"
+        return [f"args, kwargs = {f'detached({saved})' if op.detach else saved}  # its inputs in forward {op.source}",
+                f"out{op.out} = model.get_submodule({op.module!r})(*args, **kwargs)",
+                *([f"in_place_on_view(out{op.out})  # h = (its first float tensor)[...]; h += 0.5"] if op.view else []),
+                f"check.same(out{op.out})  # plain torch's output", "del args, kwargs"]
+    if isinstance(op, PartStep):
+        return [f"opts[{op.part}].step()  # subject.parts[{op.part}] only"]
+    if isinstance(op, PartZeroGrad):
+        return [f"opts[{op.part}].zero_grad()  # subject.parts[{op.part}] only"]
+    if isinstance(op, GatheredWrite):
+        target = f"model.get_submodule({op.module!r})" if op.module else ""
+        return [f"with torch.no_grad(), rt.gathered({target}):",
+                f"    model.get_parameter({op.param!r}).{WRITES[op.variant]}",
+                f"    check.inside_gathered({target})"]
+    if isinstance(op, Evaluate):
+        pre = [line for batch in op.batches for line in _batch_line(batch, seen)]
+        mode = "torch.inference_mode()" if op.inference else "torch.no_grad()"
+        return pre + ["model.eval()", f"with {mode}:",
+                      f"    outs = [{', '.join(f'model(x{b})' for b in op.batches)}]",
+                      "model.train()", "check.same(outs)  # plain torch's outputs", "del outs"]
+    optimizers = "enumerate(opts)" if script.parts else "[(0, opt)]"
+    if isinstance(op, Save):
+        if op.full:
+            return ["saved_sd = rt.full_state_dict()", "check.full_state(saved_sd)  # the reference's state dict"]
+        return ["saved_path = check.checkpoint_dir()  # one folder for every rank, kept to the end",
+                f"for i, o in {optimizers}:",
+                '    paramfsm.checkpoint.save(rt, f"{saved_path}/{i}", optimizer=o)',
+                "check.sharded(rt.sharded_state_dict())  # each DTensor holds this rank's Shard(0) chunk"]
+    if isinstance(op, Restore):
+        if op.full:
+            return ["rt.load_full_state_dict(saved_sd)"]
+        return [f"for i, o in {optimizers}:", '    paramfsm.checkpoint.load(rt, f"{saved_path}/{i}", optimizer=o)']
     raise TypeError(f"not a program op: {op!r}")
 
 

@@ -24,8 +24,10 @@ After every op (see :mod:`paramfsm.verify.checks`):
   reduce-scatters nothing: :mod:`paramfsm.verify.sync_checks`);
 - a forward that records a graph leaves the units ``reshard_after_forward``
   keeps held for its backward; one that records none leaves nothing held;
-- gathered data is the current parameter (inside ``rt.gathered`` and while no
-  optimizer step happened since the last forward);
+- gathered data is the current parameter (inside ``rt.gathered``, and for
+  every parameter a forward ran since a step or a write last modified it);
+- every loss, every output of a unit run again (``SubForward``) and of an
+  eval segment equals plain torch's (``Checker.same``);
 - communication counts are sane: a backward that finds every parameter
   deferred issues no all-gather, reduce-scatters are bounded by the
   parameters that require grad;
@@ -58,9 +60,11 @@ import paramfsm.checkpoint
 from paramfsm.verify import faults
 from paramfsm.verify.checker import Checker, Failed, Rejected, agree
 from paramfsm.verify.mirror import loss_of, penalised
+from paramfsm.verify import user_loops
 from paramfsm.verify.ops import (
-    Backward, Checkpoint, Clip, Drop, Flush, Forward, FullState, Gathered, GradSync, Loss, NoSync, Overflow, Penalty,
-    Program, RequiresGrad, Step, SyncGradients, Unscale, ZeroGrad,
+    Backward, Checkpoint, Clip, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite, GradSync, Loss,
+    NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RequiresGrad, Restore, Save, Step, SubForward,
+    SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
@@ -115,9 +119,12 @@ class Run:
         initialise(self.rt, subject, options.seed)
         self.scaler = paramfsm.amp.GradScaler(self.rt, **SCALER) if c.scaled else None
         self.check.attach(self.rt, self.scaler)
-        self.opt = subject.optimizer(self.rt.shard_parameters())
+        self.opts = user_loops.optimizers(subject, self.model, self.rt.shard_parameters())
         self.outs: dict = {}
         self.losses: dict = {}
+        self.sources = {op.source for op in program.ops if isinstance(op, SubForward)}
+        self.acts: dict = {}  # train forward -> the inputs each module got in it (for SubForward ops)
+        self.kept: dict = {}  # Save(full) -> the full state dict, or the DCP folder
         self.window = contextlib.ExitStack()  # an open rt.no_sync() window (NoSync ops)
 
     def _inputs(self, batch: int):
@@ -136,6 +143,9 @@ class Run:
             elif op.mode == "reentrant":
                 with reentrant_blocks(self.model, self.check.blocks):
                     self.outs[op.out] = self.model(x)
+            elif op.out in self.sources:
+                with user_loops.record_inputs(self.model) as self.acts[op.out]:
+                    self.outs[op.out] = self.model(x)
             else:
                 self.model.train(op.mode == "train")
                 self.outs[op.out] = self.model(x)
@@ -143,6 +153,7 @@ class Run:
         elif isinstance(op, Loss):
             targets = self.check.batch(op.batch)[1][self.rank]
             self.losses[op.loss] = loss_of(op.variant, self.outs[op.out], targets, self.subject.loss_fn, self.upcast)
+            self.check.same(self.losses[op.loss])
         elif isinstance(op, Backward):
             kwargs = {"retain_graph": True} if op.retain else {}
             loss = self.losses[op.loss]
@@ -158,16 +169,17 @@ class Run:
             penalised(self.losses[op.loss], trainable).backward(**kwargs)
         elif isinstance(op, Drop):
             del self.outs[op.out]
+            self.acts.pop(op.out, None)
             for k in op.losses:
                 del self.losses[k]
         elif isinstance(op, ZeroGrad):
-            self.opt.zero_grad()
+            for opt in self.opts:
+                opt.zero_grad()
         elif isinstance(op, Step):
+            for opt in self.opts:
+                self.scaler.step(opt) if self.scaler is not None else opt.step()
             if self.scaler is not None:
-                self.scaler.step(self.opt)
                 self.scaler.update()
-            else:
-                self.opt.step()
         elif isinstance(op, Flush):
             self.rt.flush()
         elif isinstance(op, Gathered):
@@ -183,7 +195,8 @@ class Run:
     def _apply_training_op(self, op) -> None:
         rt = self.rt
         if isinstance(op, Unscale):
-            self.scaler.unscale_(self.opt)
+            for opt in self.opts:
+                self.scaler.unscale_(opt)
         elif isinstance(op, Overflow):
             force_overflow(rt, op.param, op.index)
         elif isinstance(op, Clip):
@@ -209,6 +222,44 @@ class Run:
             rt.set_requires_gradient_sync(op.flag)
         elif isinstance(op, SyncGradients):
             rt.sync_gradients()
+        else:
+            self._apply_user_loop_op(op)
+
+    def _apply_user_loop_op(self, op) -> None:
+        rt, model = self.rt, self.model
+        if isinstance(op, SubForward):
+            out = user_loops.sub_forward(model.get_submodule(op.module), self.acts[op.source][op.module], op.detach,
+                                         op.view)
+            self.outs[op.out] = out
+            self.check.same(out)
+        elif isinstance(op, PartStep):
+            self.opts[op.part].step()
+        elif isinstance(op, PartZeroGrad):
+            self.opts[op.part].zero_grad()
+        elif isinstance(op, GatheredWrite):
+            modules = (model.get_submodule(op.module),) if op.module else ()
+            with torch.no_grad(), rt.gathered(*modules):
+                user_loops.write(model.get_parameter(op.param), op.variant)
+                self.check.inside_gathered(*modules)
+        elif isinstance(op, Evaluate):
+            model.eval()
+            with torch.inference_mode() if op.inference else torch.no_grad():
+                outs = [model(self._inputs(batch)) for batch in op.batches]
+            model.train()
+            self.check.same(outs)
+        elif isinstance(op, Save) and op.full:
+            self.kept[True] = rt.full_state_dict()
+            self.check.full_state(self.kept[True])
+        elif isinstance(op, Save):
+            self.kept[False] = path = self.check.checkpoint_dir()
+            for i, opt in enumerate(self.opts):
+                paramfsm.checkpoint.save(rt, f"{path}/{i}", optimizer=opt)
+            self.check.sharded(rt.sharded_state_dict())
+        elif isinstance(op, Restore) and op.full:
+            rt.load_full_state_dict(self.kept[True])
+        elif isinstance(op, Restore):
+            for i, opt in enumerate(self.opts):
+                paramfsm.checkpoint.load(rt, f"{self.kept[False]}/{i}", optimizer=opt)
 
     def execute(self) -> Outcome:
         start = time.perf_counter()

@@ -65,6 +65,10 @@ class Subject:
     ``rt.init_weights(init)``; the reference is the eagerly built model
     initialised the same way by plain torch (:func:`for_sharding`).
     ``init``: the ``fn`` of ``init_weights`` (None: every ``reset_parameters()``).
+    ``parts``: names of modules that split the parameters between optimizers, one each, built by
+    ``optimizer`` over ``model.get_submodule(part).parameters()`` (a GAN's generator and discriminator; the
+    last part is the critic of GAN iterations); programs then step and zero one part at a time. Empty: one
+    optimizer over every parameter.
     """
 
     model: nn.Module
@@ -79,6 +83,7 @@ class Subject:
     blocks: tuple[str, ...] | None = None
     meta: bool = False
     init: Callable | None = None
+    parts: tuple[str, ...] = ()
 
     def tolerances(self) -> tuple[float, float]:
         dtype = next(self.model.parameters()).dtype

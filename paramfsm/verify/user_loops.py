@@ -1,0 +1,147 @@
+"""What the user-loop ops do, in one place for paramfsm, the plain-torch reference and saved reproductions.
+
+The runner (:mod:`paramfsm.verify.runner`), the mirror
+(:mod:`paramfsm.verify.mirror`) and the lines of a reproduction script call
+the same functions here, so an op means the same on both sides by
+construction:
+
+* :func:`record_inputs`: the inputs each module gets during one forward
+  (the saved activations a :class:`~paramfsm.verify.ops.SubForward` runs a
+  unit on again);
+* :func:`detached`, :func:`in_place_on_view`: a sub-forward's variations;
+* :func:`tensors` and :func:`tree_loss`: the floating-point tensors of any
+  output container (a plain dataclass, a namedtuple, nested dicts, lists and
+  tuples) and the losses built from them;
+* :func:`write`: the in-place write of a :class:`~paramfsm.verify.ops.GatheredWrite`;
+* :func:`parameter_sources`: which parameters a saved activation depends on
+  (the probe's input to the normaliser's staleness tracking).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch import nn
+
+#: The in-place op a SubForward with ``view=True`` applies to a view of the unit's output.
+VIEW_OFFSET = 0.5
+#: ``GatheredWrite.variant`` -> the write: 0 ``p.mul_(0.5)``, 1 ``p.add_(0.01)``.
+WRITES = ("mul_(0.5)", "add_(0.01)")
+
+
+@contextlib.contextmanager
+def record_inputs(model: nn.Module):
+    """Within the block, every module's first ``(args, kwargs)`` of the forward, by qualified name (yielded)."""
+    saved: dict = {}
+    handles = []
+
+    def hook_for(name):
+        def hook(module, args, kwargs):
+            saved.setdefault(name, (args, kwargs))
+        return hook
+
+    try:
+        for name, module in model.named_modules():
+            if name:
+                handles.append(module.register_forward_pre_hook(hook_for(name), with_kwargs=True))
+        yield saved
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _map(fn, tree):
+    """``tree`` with ``fn`` applied to every tensor, through tuples, lists, dicts, namedtuples and dataclasses."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(_map(fn, t) for t in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map(fn, t) for t in tree)
+    if isinstance(tree, dict):
+        return type(tree)((k, _map(fn, v)) for k, v in tree.items())
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return dataclasses.replace(tree, **{f.name: _map(fn, getattr(tree, f.name))
+                                            for f in dataclasses.fields(tree) if f.init})
+    return tree
+
+
+def tensors(tree) -> list[torch.Tensor]:
+    """Every floating-point tensor of an output, in order (dataclass fields, namedtuple and dict entries...)."""
+    found: list[torch.Tensor] = []
+    _map(lambda t: found.append(t) if t.is_floating_point() else None, tree)
+    return found
+
+
+def detached(saved):
+    """Saved ``(args, kwargs)`` with every tensor detached (the new graph starts at the unit)."""
+    return _map(lambda t: t.detach(), saved)
+
+
+def in_place_on_view(out) -> None:
+    """``h = out[...]; h += 0.5`` on the unit's first floating-point output (an in-place op on a view)."""
+    view = tensors(out)[0][...]
+    view += VIEW_OFFSET
+
+
+def sub_forward(module: nn.Module, saved, detach: bool, view: bool):
+    """The unit run again on saved inputs (see :class:`~paramfsm.verify.ops.SubForward`)."""
+    args, kwargs = detached(saved) if detach else saved
+    out = module(*args, **kwargs)
+    if view:
+        in_place_on_view(out)
+    return out
+
+
+def tree_loss(variant: int, out) -> torch.Tensor:
+    """Loss variant 3 (sum of mean squares) or 4 (sum of mean tanh) over an output's floating-point tensors."""
+    parts = [t.float().pow(2).mean() if variant == 3 else t.float().tanh().mean() for t in tensors(out)]
+    return torch.stack(parts).sum()
+
+
+def write(param: torch.Tensor, variant: int) -> None:
+    """The in-place write of a GatheredWrite (call it under ``torch.no_grad()``)."""
+    if variant == 0:
+        param.mul_(0.5)
+    else:
+        param.add_(0.01)
+
+
+def parameter_sources(tree, names: dict) -> set[str]:
+    """The parameters (``id -> name`` in ``names``) whose values a tensor of ``tree`` was computed from."""
+    found: set[str] = set()
+    seen: set = set()
+    stack = [t.grad_fn for t in tensors(tree) if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None and id(variable) in names:
+            found.add(names[id(variable)])
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found
+
+
+def view_backward_works(module: nn.Module, saved) -> bool:
+    """Whether plain torch can backward through an in-place op on a view of the module's output (not when
+    the op that made it saved its output for backward: tanh, softmax, ...)."""
+    try:
+        out = sub_forward(module, saved, detach=True, view=True)
+        loss = tree_loss(3, out)
+        if loss.requires_grad:
+            loss.backward()
+    except RuntimeError:
+        return False
+    finally:
+        module.zero_grad(set_to_none=True)
+    return True
+
+
+def optimizers(subject, model: nn.Module, everything) -> list:
+    """One optimizer per part of ``Subject(parts=...)``, over the part's parameters; else one over ``everything``."""
+    return [subject.optimizer(model.get_submodule(part).parameters()) for part in subject.parts] or [
+        subject.optimizer(everything)]
