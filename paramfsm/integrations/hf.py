@@ -68,8 +68,11 @@ def load_pretrained(rt, directory) -> None:
 
     Each rank reads only its slice of each tensor, one tensor at a time
     (:mod:`paramfsm.integrations.safetensors_slices`), from ``model.safetensors``
-    or every file of ``model.safetensors.index.json``; every key and shape is
-    checked against the headers before any value is written. A tied parameter
+    or every file of ``model.safetensors.index.json``; every key, shape and byte
+    range is checked against the headers and the files' sizes before any value
+    is written, so a bad checkpoint raises on every rank alike. A checkpoint
+    of another dtype than the model's is converted as ``from_pretrained``
+    converts it (``tensor.to(dtype)``). A tied parameter
     is loaded from the one key the file keeps. The keys must be the model's own
     state-dict keys: for a checkpoint in another layout, load it with
     ``from_pretrained`` and shard the model again.

@@ -3,19 +3,27 @@
 :func:`load_files` is what :func:`paramfsm.integrations.hf.load_pretrained`
 runs. It never holds a whole checkpoint, nor a whole parameter:
 
-1. **Headers first.** Every file's header (names, shapes) is read, and every
+1. **Headers first.** Every file's header (names, dtypes, shapes, byte
+   ranges) is read and checked against itself and the file's size, and every
    parameter and persistent buffer of the model is matched to one tensor of
-   the right shape. A missing key or a wrong shape raises
-   :class:`~paramfsm.errors.ParamFSMError` naming the parameter before any
-   value is written, so the model keeps the values it had (and a model
-   built on the meta device stays guarded, :mod:`paramfsm.meta`).
+   the right shape (the same number of elements in another shape, a
+   transposed weight, is a wrong shape). A missing key, a wrong shape or a
+   truncated file raises :class:`~paramfsm.errors.ParamFSMError` naming the
+   tensor before any value is written, so the model keeps the values it had
+   (and a model built on the meta device stays guarded, :mod:`paramfsm.meta`).
+   Every rank reads the same headers, so every rank raises the same error:
+   none goes on alone to a collective the others never reach.
 2. **Then slices, one tensor at a time, one file at a time.** A parameter's
    shard is its slice ``[rank * s, (rank + 1) * s)`` of the flattened tensor,
    and a safetensors tensor is stored flat, row-major and little-endian, so
-   that slice is one contiguous byte range of the file: it is read with
-   plain reads, straight into the shard when dtypes agree on the CPU (else
-   through one buffer the size of the slice). Buffers (not sharded) are read
-   whole.
+   that slice is one contiguous byte range of the file, counted in elements
+   of the file's dtype: it is read with plain reads, straight into the shard
+   when dtypes agree on the CPU, else into one buffer of the file's dtype the
+   size of the slice, which is then converted into the shard. A checkpoint of
+   another dtype (bf16 weights into an fp32 model, or the reverse) therefore
+   loads as transformers' ``from_pretrained`` loads it, each stored tensor
+   converted as ``tensor.to(dtype)`` converts it. Buffers (not sharded) are
+   read whole and converted alike.
 
 [Note: reads, not a memory map]
 ``safetensors.safe_open(...).get_slice`` reads through a memory map of the
@@ -58,16 +66,23 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 
 
 class Entry(NamedTuple):
-    """Where one tensor of a safetensors file is: file, shape, dtype and the file offset of its first byte."""
+    """Where one tensor of a safetensors file is: file, shape, dtype, the file offset of its first byte, its name."""
 
     path: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int
+    key: str = ""
 
 
-def headers(files) -> dict[str, Entry]:
-    """Tensor name -> :class:`Entry`, from the files' headers only."""
+def headers(files, rank: int = 0) -> dict[str, Entry]:
+    """Tensor name -> :class:`Entry`, from the files' headers only (and their sizes).
+
+    A tensor whose byte range does not match its dtype and shape, or lies
+    past the end of the file, raises here: the header and the size are the
+    same on every rank, where a short read would fail only on the rank whose
+    slice lies in the missing bytes. ``rank`` is named in the errors.
+    """
     found: dict[str, Entry] = {}
     for path in files:
         with open(path, "rb") as handle:
@@ -76,12 +91,24 @@ def headers(files) -> dict[str, Entry]:
                 table = json.loads(handle.read(size))
             except ValueError as exc:
                 raise ParamFSMError(f"'{path}' is not a safetensors file (its header does not parse: {exc})") from None
+            length = os.fstat(handle.fileno()).st_size
         for key, info in table.items():
             if key == "__metadata__":
                 continue
             if info["dtype"] not in DTYPES:
                 raise ParamFSMError(f"'{path}': tensor '{key}' has dtype {info['dtype']}, which paramfsm cannot read")
-            found[key] = Entry(path, tuple(info["shape"]), DTYPES[info["dtype"]], 8 + size + info["data_offsets"][0])
+            dtype, shape = DTYPES[info["dtype"]], tuple(info["shape"])
+            start, end = info["data_offsets"]
+            if end - start != math.prod(shape) * dtype.itemsize:
+                raise ParamFSMError(
+                    f"'{path}' is damaged: its header gives tensor '{key}' ({info['dtype']}, {list(shape)}) "
+                    f"{end - start} bytes, where that dtype and shape take {math.prod(shape) * dtype.itemsize} "
+                    f"(rank {rank}); nothing was loaded. Save the checkpoint again")
+            if 8 + size + end > length:
+                raise ParamFSMError(
+                    f"'{path}' is truncated: tensor '{key}' ends at byte {8 + size + end} but the file has "
+                    f"{length} bytes (rank {rank}); nothing was loaded. Copy or save the checkpoint again")
+            found[key] = Entry(path, shape, dtype, 8 + size + start, key)
     return found
 
 
@@ -123,7 +150,7 @@ def load_files(rt, files, where: str) -> None:
     if busy:
         raise ParamFSMError(f"cannot load '{where}' while parameters are gathered: {busy[:5]}; "
                             "call it between iterations")
-    steps = plan(rt, headers(files), where)
+    steps = plan(rt, headers(files, rt.rank), where)
     by_file: dict[str, list] = {}
     for step in steps:
         by_file.setdefault(step[0].path, []).append(step)
@@ -156,7 +183,9 @@ def read(handle, entry: Entry, lo: int, hi: int, into: torch.Tensor | None = Non
         while done < len(view):
             got = handle.readinto(view[done:])
             if not got:
-                raise ParamFSMError(f"'{entry.path}' ends inside its tensor data (truncated file?)")
+                raise ParamFSMError(f"'{entry.path}' ended inside tensor '{entry.key}' while it was read, though "
+                                    "its header fit the file's size: the file changed during the load; load it "
+                                    "again once it is complete")
             done += got
     if into is not None and not direct:
         into.copy_(out)
