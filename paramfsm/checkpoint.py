@@ -176,6 +176,9 @@ def load_sharded_optim_state_dict(rt, optimizer, state_dict) -> None:
     with torch.no_grad():
         for index, rec in recs.items():
             entries = optimizer.state[rec.shard]
+            if any(f"{OPTIM_PREFIX}{rec.name}.{key}" not in state_dict for key in entries):
+                del optimizer.state[rec.shard]  # saved without state: it starts without, as in plain torch
+                continue
             for key in list(entries):
                 src = state_dict[f"{OPTIM_PREFIX}{rec.name}.{key}"]
                 dst = own[f"{OPTIM_PREFIX}{rec.name}.{key}"]
@@ -211,7 +214,12 @@ def load(rt, path, optimizer=None) -> None:
     state = sharded_state_dict(rt)
     if optimizer is not None:
         _init_optim_state(optimizer)
-        state.update(sharded_optim_state_dict(rt, optimizer))
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        # A parameter without optimizer state when the checkpoint was saved (no gradient yet) has none
+        # saved: it is not asked for, and loads as plain torch's load_state_dict leaves it, without state.
+        groups = f"{OPTIM_PREFIX}param_groups"
+        state.update({key: value for key, value in sharded_optim_state_dict(rt, optimizer).items()
+                      if key in saved or key == groups})
     _announce_write(rt, "paramfsm.checkpoint.load()")
     # dcp.load writes into the shards themselves (the state dict's DTensors view them), so a load that
     # fails part-way leaves a mix of old and new values: the values guard holds until it completes.

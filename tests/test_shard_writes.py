@@ -50,13 +50,15 @@ def _stale_after_step(rank, world):
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     x = _batch(world)
     h = model.a(rank_slice(x, rank, world))
-    model.b(h).pow(2).mean().backward(retain_graph=True)
+    l1 = model.b(h).pow(2).mean()
+    l1.backward(retain_graph=True)  # l1's graph lives on, so b stays deferred for it
     deferred = rt.state("b.weight")
     opt.step()
     after_step = rt.state("b.weight")
     l2 = model.b(h).pow(2).mean()
     l2.backward()
     opt.step()
+    del l1
 
     ref_h = ref.a(x)
     ref.b(ref_h).pow(2).mean().backward(retain_graph=True)

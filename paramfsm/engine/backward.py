@@ -94,6 +94,13 @@ class BackwardHandlers:
         self._step_all(waiting, "fetch")
         self.expect_grads(unit, ev.graph_task)
 
+    def _on_param_reached(self, ev: Event) -> None:
+        """A parameter is about to accumulate its gradient in a graph task that may not have fetched its
+        unit (see [Note: a backward that enters a unit from inside] in paramfsm.engine.hooks)."""
+        if ev.record.state is State.NOT_AVAILABLE or ev.record.state is State.INFLIGHT:
+            ev.call = ev.unit
+            self._on_pre_backward(ev)
+
     def _on_post_backward(self, ev: Event) -> None:
         ts = self._begin_task(ev.graph_task, ev.keep_graph)
         unit = ev.unit

@@ -19,6 +19,8 @@ DEMAND = "demand"  # a parameter read outside its unit (paramfsm.engine.on_deman
 # Shards written from elsewhere (an optimizer step, a load, init), and a write-back from rt.gathered:
 # the event carries the records (paramfsm.engine.shard_writes).
 SHARDS_WRITTEN, WRITTEN_BACK = "shards_written", "written_back"
+# A parameter of a unit that calls other units is about to accumulate a gradient (paramfsm.engine.hooks).
+PARAM_REACHED = "param_reached"
 
 
 class Event:

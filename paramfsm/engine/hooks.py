@@ -56,7 +56,10 @@ outputs is complete, which is when the tensor hook would fire). This saves a
 ``Tensor.register_hook`` per unit per forward, the most expensive hook to
 register. The chain (:class:`_Chain`) remembers only the last unit's output
 node, from its post-forward to the next pre-forward or the end of the root
-forward, so it keeps no graph alive.
+forward, so it keeps no graph alive. It links units only inside a root
+forward: a unit called on its own (a GAN's ``model.disc(fake)``) has no end
+that would forget its node, which would then keep its graph, and with it the
+unit's forward hold or deferred copy, alive for as long as no other unit ran.
 
 [Note: an output view is hooked at its base too]
 A unit that returns a view (``h.view(...)``, ``h.transpose(...)``,
@@ -80,6 +83,22 @@ whatever the caller did to the view afterwards; a unit that consumes the view
 after the in-place op finds a new node, not the chain's, and hooks its input
 tensor instead.
 
+[Note: a backward that enters a unit from inside]
+A unit's pre-backward rides on its outputs' nodes, so a backward that
+reaches the unit's computation without passing through them would find its
+parameters empty. That happens when a unit calls other units and an
+activation from inside its forward is used again later: the input of
+``model.blocks[0]`` saved during a root forward that added the root's own
+``pos`` to it, then ``model.blocks[0](saved)`` and a backward, which reaches
+``pos`` through the saved input alone. So the parameters of a unit that calls
+other units have a pre-hook on their ``AccumulateGrad`` node, which runs
+before the gradient is accumulated and emits ``PARAM_REACHED``; the scheduler
+fetches the unit for that graph task only when it is not gathered already,
+which is the ordinary case, and releases it at the task's end. Only those
+units pay for the hook (one Python call per parameter per backward), since
+the activations inside a unit that calls no other unit are out of reach of
+the module hooks a user would capture them with.
+
 [Note: higher-order hooks come when they are needed]
 A parameter's gradient needs routing only in a backward that records its
 graph (``create_graph=True``: grad mode is on inside it). The unit's
@@ -96,14 +115,15 @@ import sys
 from functools import partial
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from paramfsm.engine import graph_task as gt
 from paramfsm.engine import higher_order, outputs
 from paramfsm.engine.compile_guard import eager
 from paramfsm.engine.events import (
-    FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, Event,
-    ForwardCall,
+    FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, PARAM_REACHED, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD,
+    PRE_FORWARD, Event, ForwardCall,
 )
 from paramfsm.errors import UnsupportedOutput
 
@@ -127,10 +147,15 @@ class _PostBackward(torch.autograd.Function):
 class _Chain:
     """The last unit output seen in forward (see [Note: a chain of units shares one hook])."""
 
-    __slots__ = ("node", "call")
+    __slots__ = ("node", "call", "open", "reached", "handles")
 
     def __init__(self):
         self.node = self.call = None
+        self.open = False  # a root forward is running: only then are units chained
+        # Parent units whose parameters' AccumulateGrad is not hooked yet, and where the handles go:
+        # see [Note: a backward that enters a unit from inside].
+        self.reached: dict = {}
+        self.handles: list = []
 
 
 def _on_output_grad(call: ForwardCall, grad_outputs):
@@ -238,6 +263,8 @@ def _pre_forward(emit, unit, chain, module, args, kwargs):
 def _post_forward(emit, unit, chain, module, args, output):
     """``POST_FORWARD``, after hooking the output's nodes; an output the hooks cannot look into is refused
     once the unit is released (``UnsupportedOutput``)."""
+    if chain.reached and unit in chain.reached and torch.is_grad_enabled():
+        _watch_reached(emit, unit, chain)
     call = refused = None
     task = gt.current_task()
     if torch.is_grad_enabled():
@@ -261,7 +288,7 @@ def _post_forward(emit, unit, chain, module, args, output):
                     node.register_prehook(hook)
             if chain.node is nodes[0]:  # a unit nested in this one produced it: its hook runs first
                 chain.node = chain.call = None
-            elif task == gt.NO_TASK and len(nodes) == 1 and isinstance(output, torch.Tensor):
+            elif chain.open and task == gt.NO_TASK and len(nodes) == 1 and isinstance(output, torch.Tensor):
                 chain.node, chain.call = nodes[0], call
     emit(Event(POST_FORWARD, unit, task, call=call))
     if refused is not None:
@@ -273,6 +300,11 @@ def _on_grad_accumulated(emit, record, param):
     emit(Event(GRAD_READY, None, gt.backward_task(), gt.keeps_graph(), record))
 
 
+def _root_forward_begin(emit, chain, module, args) -> None:
+    chain.open = True
+    emit(Event(FORWARD_BEGIN, None, gt.current_task()))
+
+
 def _root_forward_end(emit, chain, module, args, output) -> None:
     """``FORWARD_END``, or ``FORWARD_FAILED`` when the forward raised.
 
@@ -281,6 +313,7 @@ def _root_forward_end(emit, chain, module, args, output) -> None:
     handled is how the failure is told apart.
     """
     chain.node = chain.call = None
+    chain.open = False
     failed = output is None and sys.exc_info()[1] is not None
     emit(Event(FORWARD_FAILED if failed else FORWARD_END, None, gt.current_task()))
 
@@ -289,8 +322,7 @@ def install(root: torch.nn.Module, units, records, emit) -> list:
     """Register every hook; returns the handles so ``rt.close()`` can remove them."""
     chain = _Chain()
     handles = [  # every hook opaque to torch.compile: [Note: hooks are opaque to Dynamo]
-        root.register_forward_pre_hook(
-            eager(lambda module, args: emit(Event(FORWARD_BEGIN, None, gt.current_task())))),
+        root.register_forward_pre_hook(eager(partial(_root_forward_begin, emit, chain))),
     ]
     for unit in units:
         handles.append(unit.module.register_forward_pre_hook(
@@ -300,7 +332,46 @@ def install(root: torch.nn.Module, units, records, emit) -> list:
     for rec in records:
         if rec.requires_grad:
             watch_grads(rec, emit)
+    chain.reached, chain.handles = _parents(units), handles
     return handles
+
+
+class _NodeHook:
+    """A pre-hook on a parameter's ``AccumulateGrad`` node, which it keeps alive (autograd holds it weakly)."""
+
+    __slots__ = ("node", "handle")
+
+    def __init__(self, node, hook):
+        self.node, self.handle = node, node.register_prehook(hook)
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def _parents(units) -> dict:
+    """The units that call other units, each with its parameters that require grad (see [Note: a backward
+    that enters a unit from inside])."""
+    modules = {id(unit.module) for unit in units}
+    out, seen = {}, set()
+    for unit in units:
+        if any(id(m) in modules for m in unit.module.modules() if m is not unit.module):
+            records = [rec for rec in unit.records if rec.requires_grad and id(rec) not in seen]
+            seen.update(id(rec) for rec in records)
+            if records:
+                out[unit] = records
+    return out
+
+
+def _watch_reached(emit, unit, chain) -> None:
+    """Hook the ``AccumulateGrad`` of the parent unit's parameters, once, while they are gathered: the node
+    records the parameter's shape when it is made, so it must be made from the full parameter."""
+    for rec in chain.reached.pop(unit):
+        node = get_gradient_edge(rec.param).node
+        chain.handles.append(_NodeHook(node, partial(_on_param_reached, emit, unit, rec)))
+
+
+def _on_param_reached(emit, unit, record, grad_outputs):
+    emit(Event(PARAM_REACHED, unit, gt.backward_task(), gt.keeps_graph(), record))
 
 
 def watch_grads(rec, emit) -> None:

@@ -35,7 +35,7 @@ from paramfsm.engine import partitioned
 from paramfsm.engine.backward import BackwardHandlers
 from paramfsm.engine.events import (
     BACKWARD_END, DEMAND, FLUSH, FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, GRAPH_FREED, POST_BACKWARD,
-    POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, SHARDS_WRITTEN, WRITTEN_BACK, Event, TaskState,
+    PARAM_REACHED, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, SHARDS_WRITTEN, WRITTEN_BACK, Event, TaskState,
 )
 from paramfsm.engine.grad_order import GradOrder
 from paramfsm.engine.on_demand import OnDemandHandlers
@@ -119,6 +119,7 @@ class Scheduler(BackwardHandlers, OnDemandHandlers, GradOrder):
             GRAPH_FREED: self._on_graph_freed, FLUSH: lambda ev: self.flush(),
             FORWARD_FAILED: self._on_forward_failed, DEMAND: self._on_demand,
             SHARDS_WRITTEN: writes.written, WRITTEN_BACK: writes.written_back,
+            PARAM_REACHED: self._on_param_reached,
         }
 
     # ------------------------------------------------------------------ queue
