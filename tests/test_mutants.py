@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from paramfsm import amp, checkpoint, full_state, grad_norm
+from paramfsm import amp, checkpoint, full_state, gathered, grad_norm
 from paramfsm.core import replay
 from paramfsm.core.trace import Trace
 from paramfsm.engine import events, executor, graph_task, hooks
@@ -14,6 +14,7 @@ from paramfsm.engine.executor import Executor
 from paramfsm.engine.grad_sync import UnsyncedGrads
 from paramfsm.engine.higher_order import SecondOrderEntry
 from paramfsm.engine.scheduler import Scheduler
+from paramfsm.engine.shard_writes import ShardWrites
 from paramfsm.verify import faults
 from paramfsm.testing.mutants import format_table, main, run_catalogue, trace_check
 from paramfsm.verify.reproduction import run_saved
@@ -37,7 +38,8 @@ def _patchable():
             hooks._post_forward, events.ForwardCall.__del__, graph_task.queue_final_callback,
             executor.reduce_scatter_flat, dict(vars(amp.GradScaler)), grad_norm.clip_grad_norm_,
             checkpoint._flat_dtensor, vars(SecondOrderEntry)["backward"], full_state.load_full_state_dict,
-            replay.replay, Trace._snapshot, dict(vars(UnsyncedGrads)))
+            replay.replay, Trace._snapshot, dict(vars(UnsyncedGrads)), dict(vars(ShardWrites)),
+            gathered._write_back)
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))
