@@ -36,8 +36,8 @@ from paramfsm.core.spec import State
 from paramfsm.verify import checks, loop_helpers, sync_checks, user_loops
 from paramfsm.verify.mirror import Mirror, loss_of, penalised  # noqa: F401 - re-exported for the runner
 from paramfsm.verify.ops import (
-    Backward, Checkpoint, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite, GradSync, Loss,
-    NoSync, PartStep, Penalty, Save, Step, SubForward, SyncGradients, ZeroGrad,
+    Backward, Checkpoint, Clip, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite, GradSync,
+    Loss, NoSync, PartStep, Penalty, Save, Step, SubForward, SyncGradients, ZeroGrad,
 )
 from paramfsm.verify.subject import describe, global_batch, split
 
@@ -99,6 +99,7 @@ class Checker:
         self.released = False  # the op must leave nothing deferred
         # Parameters modified (a step, a write) since a forward last ran them: their gathered data may be older.
         self.unfresh: set[str] = set()
+        self.nan_padded: set[str] = set()  # gradients whose padding a NaN clip coefficient made NaN
         self.names = {id(p): name for name, p in self.mirror.model.named_parameters()}
         self.dirs: list[str] = []  # DCP folders of Save ops, removed at the end
         self.marks: list[int] = []  # trace length before each op
@@ -220,6 +221,9 @@ class Checker:
             self.window = op.enter
         elif isinstance(op, GradSync):
             self.sync_on = op.flag
+        elif isinstance(op, Clip) and torch.isnan(self.mirror.norm):
+            self.nan_padded |= {name for name, p in self.mirror.params.items() if p.grad is not None}
+        self.nan_padded = {name for name in self.nan_padded if self.mirror.params[name].grad is not None}
 
     def _clean_scratch(self) -> None:
         """Remove the op's DCP folders (every rank has passed the op's agreement, so none still reads them)."""
@@ -247,7 +251,7 @@ class Checker:
             raise Failed("sync", problems)
         unsynced = frozenset(self.mirror.params) if self.accumulating else frozenset()
         problems = checks.matches_reference(rt, self.mirror.params, self.mirror.grads(), self.rank, self.world,
-                                            self.atol, self.rtol, unsynced)
+                                            self.atol, self.rtol, unsynced, frozenset(self.nan_padded))
         if problems:
             raise Failed("reference", problems)
         problems = self._reshard_problems(op)

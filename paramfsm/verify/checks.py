@@ -127,11 +127,15 @@ def retained_window(rt, op_kind: str, config) -> list[str]:
             "the next backward over the retained graph gathers every unit again"]
 
 
-def shard_slice(full: torch.Tensor | None, rec, rank: int, world: int) -> torch.Tensor | None:
-    """This rank's slice of the flattened, zero-padded full tensor (what paramfsm's shard should hold)."""
+def shard_slice(full: torch.Tensor | None, rec, rank: int, world: int, pad: float = 0.0) -> torch.Tensor | None:
+    """This rank's slice of the flattened full tensor padded with ``pad`` (what paramfsm's shard should hold).
+
+    The padding is zero, except in a gradient a clip multiplied by a NaN coefficient (see
+    :func:`matches_reference`).
+    """
     if full is None:
         return None
-    flat = torch.zeros(rec.shard_numel * world, dtype=full.dtype)
+    flat = torch.full((rec.shard_numel * world,), pad, dtype=full.dtype)
     flat[:full.numel()] = full.detach().reshape(-1)
     return flat[rank * rec.shard_numel:(rank + 1) * rec.shard_numel]
 
@@ -153,11 +157,17 @@ def close(got, want, atol: float, rtol: float) -> float | None:
 
 
 def matches_reference(rt, ref_params: Mapping, ref_grads: Mapping, rank: int, world: int,
-                      atol: float, rtol: float, kept: frozenset = frozenset()) -> list[str]:
+                      atol: float, rtol: float, kept: frozenset = frozenset(),
+                      nan_padded: frozenset = frozenset()) -> list[str]:
     """Shards and shard gradients equal this rank's slice of the reference parameters and gradients.
 
     ``kept``: parameters whose gradients are not compared while gradients are kept unsynchronised (see
     [Note: comparing gradients while some are kept] in :mod:`paramfsm.verify.sync_checks`).
+    ``nan_padded``: parameters whose gradient's padding must be NaN, not zero. A clip scales every element
+    of a shard gradient, its padding included, by one coefficient, as torch scales every element of the full
+    gradient; when the total norm is NaN (an fp16 overflow made a gradient NaN) the coefficient is NaN, every
+    real element becomes NaN on both sides and the padding's zeros become ``0 * nan = nan``. Later
+    accumulation, unscaling and clipping keep it NaN until the gradient is set to None.
     """
     problems = []
     for rec in records(rt):
@@ -167,7 +177,8 @@ def matches_reference(rt, ref_params: Mapping, ref_grads: Mapping, rank: int, wo
         if rec.name in kept:
             continue
         grad = rec.shard.grad
-        diff = close(grad, shard_slice(ref_grads[rec.name], rec, rank, world), atol, rtol)
+        pad = float("nan") if rec.name in nan_padded else 0.0
+        diff = close(grad, shard_slice(ref_grads[rec.name], rec, rank, world, pad), atol, rtol)
         if diff is not None:
             problems.append(f"the gradient of '{rec.name}' differs from the reference by {diff:.3g} (atol {atol})")
     return problems
