@@ -41,6 +41,7 @@ from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.engine.scheduler import Scheduler
 from paramfsm.verify.faults.accumulation import ACCUMULATION
 from paramfsm.verify.faults.patching import patched as _patched
+from paramfsm.verify.faults.regressions import REGRESSIONS
 from paramfsm.verify.faults.shard_writes import SHARD_WRITES
 from paramfsm.verify.faults.training import (
     checkpoint_offset_unpadded, clip_without_clamp, found_inf_not_agreed, scale_not_backpropagated,
@@ -366,6 +367,7 @@ CATALOGUE: tuple[Fault, ...] = (
           subject=EXPERTS),
     *(Fault(*entry) for entry in ACCUMULATION),  # gradient accumulation and reshard_after_forward
     *(Fault(*entry) for entry in SHARD_WRITES),  # shard writes: optimizer steps, rt.gathered write-back
+    *(Fault(*entry) for entry in REGRESSIONS),  # reentrant checkpointing inside a unit
 )
 
 FAULTS: dict[str, Fault] = {fault.name: fault for fault in CATALOGUE}
