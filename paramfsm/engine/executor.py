@@ -170,11 +170,11 @@ class Executor(Gathers):
             self._accumulate(rec, grad.reshape(-1))
             return
         size = grad.numel() * grad.element_size()
+        if had is not None:  # its flag rides in its bucket: [Note: a gradient no rank produced stays None]
+            self._had[rec] = had
         if size >= self.bucket_bytes:  # a bucket of its own: see [Note: a big gradient is reduced in place]
             self._reduce([(rec, grad if owned else grad.clone())])
             return
-        if had is not None:
-            self._had[rec] = had
         self._grads.append((rec, grad))
         self._grad_bytes += size
         if self._grad_bytes >= self.bucket_bytes:

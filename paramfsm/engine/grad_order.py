@@ -51,8 +51,10 @@ rank had a gradient; its reduce-scattered sum tells every rank, in the same
 collective, whether *any* rank had one. Only then is the reduced shard added
 to the shard gradient, so a parameter no rank produced a gradient for keeps
 ``shard.grad`` None exactly as plain torch would. A gradient of
-``bucket_bytes`` or more is reduce-scattered alone, in place, without flags:
-when no rank produced one, its shard gradient becomes zeros (not None).
+``bucket_bytes`` or more is reduce-scattered in a bucket of its own, and a
+flagged one takes its flag along (a packed copy instead of the in-place
+input): zeros in its shard gradient would make a stateful optimizer step a
+parameter plain torch leaves alone (momentum, weight decay).
 """
 
 from __future__ import annotations
