@@ -52,10 +52,13 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     while shards, gradients and the optimizer stay in the parameters' dtype;
     floating-point inputs of the root forward are cast to it. ``reduce_dtype``:
     reduce-scatter gradients in this dtype. ``debug``: check that all ranks
-    issue the same collectives with a small header all-gather before every
-    all-gather and reduce-scatter, so any desync raises RankDesync (see
-    :mod:`paramfsm.engine.rankcheck`; without it, a tag riding in each CPU gather
-    bucket checks all-gathers of equal size at no collective cost).
+    issue the same collectives with a small blocking header all-gather before
+    every all-gather and reduce-scatter, on every backend (see
+    :mod:`paramfsm.engine.rankcheck`). Without it, on gloo, a tag rides in each
+    gather bucket and every collective agrees its sizes across ranks before it
+    moves (headers the exchange threads swap, none once the steps repeat), so a
+    desync still raises RankDesync on every rank instead of aborting the
+    process; on CUDA only ``debug`` checks.
     ``collective_timeout``: seconds any host wait on a collective may take
     before :class:`~paramfsm.errors.CollectiveTimeout` is raised (default
     ``$PARAMFSM_COLLECTIVE_TIMEOUT`` or 600).

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from paramfsm.engine import exchange
+from paramfsm.engine.rankcheck import Refused
 from paramfsm.errors import NotInitialized
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -85,8 +86,11 @@ def timeout_s(value: float | None = None) -> float:
     return float(value)
 
 
-def waiter(limit_s: float, timed_out: Callable[[float], BaseException]) -> Callable:
-    """A ``wait(work)`` that raises ``timed_out(seconds waited)`` once ``limit_s`` has passed.
+def waiter(limit_s: float, timed_out: Callable[[float], BaseException],
+           refused: Callable[[torch.Tensor], BaseException] | None = None) -> Callable:
+    """A ``wait(work)`` that raises ``timed_out(seconds waited)`` once ``limit_s`` has passed, and
+    ``refused(rows)`` when the ranks' exchanges disagreed (see [Note: an exchange agrees its sizes
+    first] in :mod:`paramfsm.engine.rankcheck`; ``rows``: every rank's header).
 
     [Note: every host wait has a limit]
     A peer that stalls (it sleeps, deadlocks or skipped a collective) leaves a
@@ -106,6 +110,10 @@ def waiter(limit_s: float, timed_out: Callable[[float], BaseException]) -> Calla
         start = time.monotonic()
         try:
             work.wait(timeout=limit)
+        except Refused as exc:
+            if refused is None:
+                raise
+            raise refused(exc.rows) from None
         except RuntimeError as exc:
             if "timed out" not in str(exc).lower():
                 raise
@@ -126,10 +134,22 @@ def _on(tensor: torch.Tensor, wait: Callable | None) -> Callable:
     return wait if wait is not None and tensor.device.type == "cpu" else _plain_wait
 
 
-#: ``with coalesced():`` hands the point-to-point exchanges issued inside to the exchange thread at once
-#: (see [Note: a bucket's exchanges are posted together] in :mod:`paramfsm.engine.exchange`); other
-#: collectives are issued as before.
+#: ``with coalesced(fields):`` hands the point-to-point exchanges issued inside to the exchange thread at
+#: once, named by ``fields`` in their header (see [Note: a bucket's exchanges are posted together] in
+#: :mod:`paramfsm.engine.exchange`); other collectives are issued as before.
 coalesced = exchange.coalesced
+
+
+def size_agreement(kind: str, tensor: torch.Tensor, group) -> str | None:
+    """How a collective of ``kind`` ("all-gather" or "reduce-scatter") over ``tensor`` can agree its
+    sizes across ranks before it moves: "exchange" (its point-to-point exchanges agree them, see [Note:
+    an exchange agrees its sizes first] in :mod:`paramfsm.engine.rankcheck`), "header" (a gloo
+    collective: a blocking header all-gather first), or None (not gloo on the CPU: nothing by default)."""
+    if tensor.device.type != "cpu" or not _is_gloo(group):
+        return None
+    world = _shape(group)[1]
+    exchanged = exchange.usable(world) if kind == "all-gather" else world == 2
+    return "exchange" if exchanged else "header"
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = True):

@@ -26,14 +26,14 @@ import functools
 
 import torch
 
-from paramfsm.engine import grad_order, kernels, placeholder, rankcheck
-from paramfsm.engine.collectives import DEFAULT_TIMEOUT_S, reduce_scatter_flat, waiter
+from paramfsm.engine import exchange, grad_order, kernels, placeholder, rankcheck
+from paramfsm.engine.collectives import DEFAULT_TIMEOUT_S, coalesced, reduce_scatter_flat, waiter
 from paramfsm.engine.gathers import PERSISTENT_BYTES, Gathers
 from paramfsm.engine.grad_sync import UnsyncedGrads
 from paramfsm.engine.inflight import Counters
 from paramfsm.engine.partitioned import real_grad, set_real_grad
 from paramfsm.engine.streams import REDUCE, HostStreams
-from paramfsm.errors import CollectiveTimeout
+from paramfsm.errors import CollectiveTimeout, RankDesync
 
 # [Note: a big gradient is reduced in place]
 # A gradient of at least ``bucket_bytes`` is reduce-scattered at once in a bucket
@@ -74,12 +74,40 @@ class Executor(Gathers):
         self._had: dict = {}  # record -> whether this rank had its gradient, for those staged in unit order
         self._grad_bytes = 0
         self._reduces: list = []  # (ticket, records, layout) in flight
-        # The rank-order check (paramfsm.engine.rankcheck): "tag" rides in the bucket, "header" is a
-        # separate fixed-size all-gather first (debug=True), None is off. The runtime sets
+        # The rank-order check (paramfsm.engine.rankcheck): "tag" rides in the bucket and, with
+        # ``agree_sizes``, sizes are agreed before each collective moves (the default); "header" is a
+        # separate fixed-size all-gather first (debug=True); None is off. The runtime sets
         # ``ctx`` (for the step) and ``unit_names`` (for messages).
-        self.rank_check: str | None = "tag"
+        self._rank_check: str | None = "tag"
+        self._agree_sizes = True
+        self._routes: dict = {}  # (collective, device type) -> how its sizes are agreed (collectives.size_agreement)
+        self._share_agreement(forget=True)  # a new runtime starts a new sequence of collectives
         self.ctx = None
         self.unit_names: tuple[str, ...] = ()
+
+    @property
+    def rank_check(self) -> str | None:
+        return self._rank_check
+
+    @rank_check.setter
+    def rank_check(self, mode: str | None) -> None:
+        self._rank_check = mode
+        self._share_agreement()
+
+    @property
+    def agree_sizes(self) -> bool:
+        """Whether, with the "tag" check, every collective agrees its sizes across ranks before it moves."""
+        return self._agree_sizes and self._rank_check == "tag"
+
+    @agree_sizes.setter
+    def agree_sizes(self, on: bool) -> None:
+        self._agree_sizes = bool(on)
+        self._share_agreement()
+
+    def _share_agreement(self, forget: bool = False) -> None:
+        """Every exchange on the group agrees its sizes, or none does (whatever issues it)."""
+        if not self.local:
+            exchange.agree_sizes(self.group, self.agree_sizes, forget)
 
     # ------------------------------------------------------------------ effects
     # Each effect takes the records it applies to: one call per unit (see [Note: one lookup for a unit]).
@@ -96,10 +124,14 @@ class Executor(Gathers):
             rec.pending = None
 
     def discard(self, records) -> None:
-        """The discard_gather effect: complete the collective (every rank joined it), drop the result."""
+        """The discard_gather effect: complete the collective (every rank joined it), drop the result;
+        one that never moved, after a desync this rank raised before, is simply dropped."""
         for rec in records:
             if rec.pending is not None:
-                self.wait_gather(rec.pending)
+                try:
+                    self.wait_gather(rec.pending)
+                except rankcheck.Dropped:
+                    pass
             rec.staged = None
             rec.pending = None
 
@@ -197,17 +229,21 @@ class Executor(Gathers):
         if self.reduce_dtype is None and any(g.dtype != dtype for g in grads):
             dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))  # mixed: lose no precision
         layout = kernels.shard_layout(tuple(r.numel for r in records), self.world)
-        if self.rank_check == "header":
+        named = None
+        if self.rank_check is not None:
             step = self.ctx.step if self.ctx is not None else 0
             unit = records[0].units[0].index if records[0].units else -1
-            rankcheck.check_header((self.counters.reduce_scatters, step, unit, layout.total),
-                                   self.rank, self.world, self.group, self.unit_names, "reduce-scatter",
-                                   self.timed_wait("rank-check header", records))
+            fields = (self.counters.reduce_scatters, step, unit, layout.total)
+            if self.rank_check == "header":
+                rankcheck.check_header(fields, self.rank, self.world, self.group, self.unit_names,
+                                       "reduce-scatter", self.timed_wait("rank-check header", records))
+            else:
+                named = self._agree_first("reduce-scatter", fields, grads[0], records)
         # An issued reduce-scatter holds its full-size input until it is waited on: bound how many
         # are in flight (the oldest completes before another is issued) so gradient memory stays bounded.
         while len(self._reduces) >= MAX_REDUCES_IN_FLIGHT:
             self._complete(self._reduces.pop(0))
-        ticket = self.streams.launch(REDUCE, self._issue_reduce, layout, dtype, grads)
+        ticket = self.streams.launch(REDUCE, self._issue_reduce, layout, dtype, grads, named)
         self._reduces.append((ticket, records, layout))
         self.counters.reduce_scatters += 1
         self.counters.reduced_bytes += payload * self.world * dtype.itemsize
@@ -220,8 +256,9 @@ class Executor(Gathers):
             self._complete(reduce)
         self.unsynced.settled()
 
-    def _issue_reduce(self, layout, dtype, grads) -> tuple:
-        """Reduce-lane work: pack and pre-divide the gradients, issue the reduce-scatter.
+    def _issue_reduce(self, layout, dtype, grads, named=None) -> tuple:
+        """Reduce-lane work: pack and pre-divide the gradients, issue the reduce-scatter (``named``: the
+        tag fields of its exchange's header, if it agrees sizes).
 
         Returns ``(out, work)``; on a device the lane waits for the collective
         itself, so ``work`` is None.
@@ -235,7 +272,8 @@ class Executor(Gathers):
             kernels.pack_grads(grads, layout.shard_numels, self.world, inp)
         inp.div_(self.world * self.replicas)
         out = torch.empty(layout.total, dtype=dtype, device=inp.device)
-        work = reduce_scatter_flat(out, inp, self.group, async_op=True, replicate_group=self.replicate_group)
+        with coalesced(named):
+            work = reduce_scatter_flat(out, inp, self.group, async_op=True, replicate_group=self.replicate_group)
         if self.streams.asynchronous:
             work.wait()
             return out, None
@@ -248,7 +286,8 @@ class Executor(Gathers):
         return out
 
     def timed_wait(self, what: str, records):
-        """A host wait on ``what`` for ``records``; past ``timeout_s`` it raises CollectiveTimeout."""
+        """A host wait on ``what`` for ``records``; past ``timeout_s`` it raises CollectiveTimeout, and
+        RankDesync when the ranks' exchange headers differed."""
         units = ", ".join(dict.fromkeys(rec.unit for rec in records)) if records else "(every unit)"
 
         def timed_out(waited: float) -> CollectiveTimeout:
@@ -256,7 +295,11 @@ class Executor(Gathers):
             return CollectiveTimeout(collective=what, unit=units, step=step, rank=self.rank, waited_s=waited,
                                      limit_s=self.timeout_s)
 
-        return waiter(self.timeout_s, timed_out)
+        def refused(rows) -> RankDesync:
+            step = self.ctx.step if self.ctx is not None else 0
+            return rankcheck.refused(rows, self.rank, self.unit_names, what, step)
+
+        return waiter(self.timeout_s, timed_out, refused)
 
     def _complete(self, reduce) -> None:
         ticket, records, layout = reduce
@@ -276,7 +319,10 @@ class Executor(Gathers):
         self._had.clear()
         reduces, self._reduces = self._reduces, []
         for ticket, records, _ in reduces:
-            self._join_reduce(ticket, records)
+            try:
+                self._join_reduce(ticket, records)
+            except (RankDesync, rankcheck.Dropped):
+                pass  # it never moved: the ranks desynced, and whatever interrupted the backward says so
         self.unsynced.interrupted()
 
     @staticmethod

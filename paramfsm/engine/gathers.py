@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 
 from paramfsm.engine import kernels, rankcheck
-from paramfsm.engine.collectives import all_gather_flat, coalesced
+from paramfsm.engine.collectives import all_gather_flat, coalesced, size_agreement
 from paramfsm.engine.inflight import Gather
 from paramfsm.engine.streams import GATHER
 
@@ -98,19 +98,20 @@ class Gathers:
             numels = tuple([r.numel for r in packed])
             # The torch packing runs under no_grad, so CPU shards need no detached alias; CuPy needs one.
             shards = [r.shard for r in packed] if on_cpu else [r.shard.detach() for r in packed]
-            check = self.rank_check
+            check, named = self.rank_check, None
             tagged = check == "tag" and on_cpu
             if check == "header" or tagged:
                 fields = self._tag_fields(records)
                 if tagged:
                     numels += (rankcheck.TAG_NUMEL * self.world,)
                     shards.append(rankcheck.encode(fields, dtype, first.device))
+                    named = self._agree_first("all-gather", fields, first, records)
                 else:
                     rankcheck.check_header(fields, self.rank, self.world, self.group, self.unit_names,
                                            "all-gather", self.timed_wait("rank-check header", records))
             layout = kernels.shard_layout(numels, self.world) if numels else None
             gather = Gather(records, layout, tagged, in_place)
-            gather.ticket = self.streams.launch(GATHER, self._issue_gather, gather, shards, dtype)
+            gather.ticket = self.streams.launch(GATHER, self._issue_gather, gather, shards, dtype, named)
             self.counters.all_gathers += 1
             self.counters.gathered_bytes += dtype.itemsize * (
                 (layout.total * self.world if layout is not None else 0)
@@ -124,6 +125,22 @@ class Gathers:
         shard = rec.shard
         return (rec.nbytes >= PERSISTENT_BYTES and rec.numel % self.world == 0 and shard.dtype == dtype
                 and shard.device.type == "cpu")
+
+    def _agree_first(self, what: str, fields: tuple[int, ...], tensor, records) -> tuple[int, ...] | None:
+        """Agree the sizes of the collective ``what`` (tagged ``fields``) before it moves, by default on
+        gloo (see [Note: two ways to carry the tag] in :mod:`paramfsm.engine.rankcheck`): the fields that
+        name its exchanges' header, or None after a blocking header (a gloo collective) or where nothing
+        is agreed (``agree_sizes`` off, or not gloo on the CPU)."""
+        route = None
+        if self.agree_sizes:
+            key = (what, tensor.device.type)
+            route = self._routes.get(key, key)
+            if route is key:
+                route = self._routes[key] = size_agreement(what, tensor, self.group)
+        if route == "header":
+            rankcheck.check_header(fields, self.rank, self.world, self.group, self.unit_names, what,
+                                   self.timed_wait("rank-check header", records))
+        return fields if route == "exchange" else None
 
     def _tag_fields(self, records) -> tuple[int, ...]:
         """(gather number, step, unit index, elements): the same on every rank running the same program."""
@@ -141,10 +158,10 @@ class Gathers:
             view = rec.local_view = rec.shard.detach().view(rec.shape)
         return view
 
-    def _issue_gather(self, gather: Gather, shards, dtype):
+    def _issue_gather(self, gather: Gather, shards, dtype, named=None):
         """Gather-lane work: issue the in-place all-gathers, pack and issue the rest; on a device also
-        wait and unpack there."""
-        with coalesced():  # one hand-over to the exchange thread: [Note: a bucket's exchanges are posted together]
+        wait and unpack there. ``named``: the tag fields of the exchanges' header, if they agree sizes."""
+        with coalesced(named):  # one hand-over to the exchange thread: [Note: a bucket's exchanges are posted together]
             if gather.in_place is not None:
                 gather.direct = [
                     all_gather_flat(self._persistent(rec, rec.shard).view(-1), rec.shard.detach(), self.group,
