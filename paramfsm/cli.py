@@ -13,12 +13,16 @@ Each command group is added by a ``register(subparsers)`` function, and every
 leaf command stores its handler as ``func``; a handler takes the parsed
 arguments and returns the exit status. Optional groups live in their own
 modules and provide ``add_parser(subparsers)`` (``paramfsm.verify.command`` for
-``paramfsm verify``); they are imported only when the command line may name
-them, so the built-in commands never pay for their imports.
+``paramfsm verify``); they are imported only when the command line names
+them. ``paramfsm --help`` lists them from :data:`OPTIONAL_HELP` without
+importing them, so neither ``--help`` nor ``spec`` nor ``trace`` imports torch
+(``paramfsm.verify`` does).
 
 Exit status: 0 on success, 1 when the input is wrong (an invalid spec, an
 illegal or malformed trace, traces that differ), 2 for a usage error such as
-a missing input file. Results go to stdout; whatever makes the status
+a missing input file, 141 when stdout closes early (``paramfsm trace
+summary T.jsonl | head``: the shell's status for a process ended by SIGPIPE,
+with nothing on stderr). Results go to stdout; whatever makes the status
 nonzero is one message on stderr, never a traceback. ``-v``/``--verbose``
 goes before the command.
 """
@@ -27,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.machinery
 import importlib.util
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -40,6 +46,10 @@ log = logging.getLogger(__name__)
 PROG = "paramfsm"
 #: Modules that add a command group with ``add_parser(subparsers)`` when they exist.
 OPTIONAL_COMMANDS = {"verify": "paramfsm.verify.command"}
+#: The one-line help ``paramfsm --help`` shows for an optional group it has not imported.
+OPTIONAL_HELP = {"verify": "check generated training loops on local ranks against plain torch"}
+#: Exit status when stdout is closed before the output is written (128 + SIGPIPE, as the shell reports it).
+CLOSED_PIPE = 141
 
 
 class CommandError(Exception):
@@ -251,9 +261,11 @@ BUILTIN_COMMANDS: dict[str, Callable] = {"spec": register_spec, "trace": registe
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser. ``command`` is the first word of the command line, if known.
 
-    Optional command groups are imported unless ``command`` names a built-in
-    group, so ``paramfsm --help`` and ``paramfsm verify`` see them and
-    ``paramfsm trace ...`` does not import them.
+    An optional command group is imported only when ``command`` names it. For
+    any other first word (none, ``--help``, a typo) each optional group that
+    is installed is listed with its :data:`OPTIONAL_HELP` line, found without
+    importing it: ``paramfsm verify``'s module imports torch, which takes
+    seconds, and ``--help`` must not wait for that.
     """
     parser = argparse.ArgumentParser(
         prog=PROG, parents=[_common_parser()],
@@ -262,14 +274,33 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for register in BUILTIN_COMMANDS.values():
         register(subparsers)
-    if command not in BUILTIN_COMMANDS:
-        for module_name in OPTIONAL_COMMANDS.values():
-            _add_optional(subparsers, module_name)
+    if command in OPTIONAL_COMMANDS:
+        _add_optional(subparsers, OPTIONAL_COMMANDS[command])
+    elif command not in BUILTIN_COMMANDS:
+        for name, module_name in OPTIONAL_COMMANDS.items():
+            if _module_exists(module_name):
+                subparsers.add_parser(name, help=OPTIONAL_HELP.get(name, f"see {PROG} {name} --help"))
     return parser
 
 
+def _module_exists(module_name: str) -> bool:
+    """Whether ``module_name`` can be imported, found without running any package's ``__init__``.
+
+    ``importlib.util.find_spec("a.b.c")`` imports ``a.b`` to look inside it;
+    this walks the search path one level at a time instead.
+    """
+    head, *rest = module_name.split(".")
+    spec = importlib.util.find_spec(head)
+    for depth in range(len(rest)):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        name = ".".join([head, *rest[:depth + 1]])
+        spec = importlib.machinery.PathFinder.find_spec(name, list(spec.submodule_search_locations))
+    return spec is not None
+
+
 def _add_optional(subparsers, module_name: str) -> None:
-    if importlib.util.find_spec(module_name) is None:
+    if not _module_exists(module_name):
         return
     try:
         module = importlib.import_module(module_name)
@@ -293,7 +324,16 @@ def _configure_logging(verbose: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (argparse usage errors return 2)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        status = _run(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+        return status
+    except BrokenPipeError:
+        _silence_stdout()
+        return CLOSED_PIPE
+
+
+def _run(argv: list[str]) -> int:
     known, rest = _common_parser().parse_known_args(argv)
     _configure_logging(known.verbose)
     command = next((word for word in rest if not word.startswith("-")), None)
@@ -308,3 +348,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return exc.status
+
+
+def _silence_stdout() -> None:
+    """Point stdout's descriptor at /dev/null, so the interpreter's last flush of what is still buffered does
+    not raise a second BrokenPipeError at exit (the recipe of Python's ``signal`` documentation)."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (captured output): nothing flushes at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, descriptor)
+    os.close(devnull)
