@@ -1,7 +1,11 @@
 """Train a Hugging Face causal LM with ``transformers.Trainer`` on a model sharded by paramfsm.
 
-    torchrun --nproc-per-node 2 examples/hf_trainer.py --out /tmp/hf-trainer
+    torchrun --nproc-per-node 2 examples/hf_trainer.py
     torchrun --nproc-per-node 2 examples/hf_trainer.py --model path/to/model --out /tmp/hf-trainer
+
+It writes its checkpoints and final model under ``--out`` (default
+``runs/hf-trainer``, a folder the checkout's ``.gitignore`` covers) and names
+the folder when it ends.
 
 Without ``--model`` it builds a tiny random-init GPT-2, so it runs anywhere
 (CPU ranks over gloo, GPUs over NCCL, one GPU per rank) with no download. The
@@ -44,14 +48,23 @@ def random_tokens(vocab: int, samples: int, seq: int):
     return [{"input_ids": row, "labels": row} for row in tokens]
 
 
-def main() -> None:
+#: Where the checkpoints and the final model go by default (under ``runs/``, which ``.gitignore`` covers).
+DEFAULT_OUT = os.path.join("runs", "hf-trainer")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a local directory or hub name (default: a tiny random GPT-2)")
-    parser.add_argument("--out", default="hf-trainer-out", help="output directory (checkpoints, final model)")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"output directory for checkpoints and the final model (default: {DEFAULT_OUT})")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4, help="per-rank batch size")
     parser.add_argument("--seq", type=int, default=32)
-    opts = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    opts = parse_args()
 
     dist.init_process_group()  # torchrun's environment; NCCL for CUDA tensors, gloo for CPU ones
     rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0))
@@ -82,6 +95,8 @@ def main() -> None:
         error = (loaded(prompt).logits - sharded_logits).abs().max().item()
         tokens = rt.generate(prompt, max_new_tokens=4 + 2 * rank, do_sample=False)  # different lengths per rank
     print(f"rank {rank}: reloaded model's max logit difference {error:.2e}; generated {tokens.tolist()}")
+    if rank == 0:
+        print(f"checkpoints and the final model are in {os.path.abspath(opts.out)}")
     rt.close()
     dist.destroy_process_group()
 
