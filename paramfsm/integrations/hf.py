@@ -133,6 +133,12 @@ class ShardedTrainer(transformers.Trainer):
       groups) is built over the model's parameters and steps the shards
       (:mod:`paramfsm.optim` maps it at its first step).
     * **Clipping** through ``rt.clip_grad_norm_`` (the global norm over shards).
+    * **Step numbers.** Each micro-batch's ``training_step`` first calls
+      ``rt.set_step(state.global_step)``, so every collective carries the
+      optimizer step it belongs to: a rank that skips a step (a
+      ``training_step`` override that returns early for a bad batch) raises
+      :class:`~paramfsm.errors.RankDesync` on every rank, naming the steps,
+      instead of pairing its next step with its peers' current one.
     * **Gradient accumulation** (``args.gradient_accumulation_steps``): every
       micro-batch but the last of a window runs under ``rt.no_sync()``, so an
       optimizer step costs one reduce-scatter per bucket, not one per micro-batch.
@@ -200,6 +206,11 @@ class ShardedTrainer(transformers.Trainer):
             return no_sync(model)
 
         accelerator.no_sync = no_sync_sharded
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The Trainer's step, after naming the optimizer step it belongs to (see the class docstring)."""
+        self.runtime.set_step(self.state.global_step)
+        return super().training_step(model, inputs, num_items_in_batch)
 
     # ------------------------------------------------------------------ device, clipping
     def _move_model_to_device(self, model, device) -> None:
