@@ -1,6 +1,13 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), reloadable at any world size.
 
 Each rank saves only its shards, and a checkpoint saved on N ranks loads on M.
+:func:`save` is atomic (the previous checkpoint at ``path`` survives a crash at
+any moment; :mod:`paramfsm.checkpoint.folders`), can run in the background
+(``async_save=True``; :mod:`paramfsm.checkpoint.background`) and prunes old
+checkpoints (``keep_last=``); :func:`latest` finds the newest complete one.
+:func:`load` checks every key and shape before it writes anything
+(:mod:`paramfsm.checkpoint.saving`). DCP itself is imported only when a
+checkpoint is saved or loaded, so ``import paramfsm`` does not pay for it.
 
 [Note: the flat DTensor view of a shard]
 A rank's shard is its 1/world slice of the flattened parameter, zero-padded
@@ -27,7 +34,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -64,7 +70,7 @@ def _flat_dtensor(rt, where, rec, tensor: torch.Tensor) -> DTensor:
 
 def _require_idle(rt, what: str) -> None:
     rt.flush()
-    rt.scheduler.release_forward_holds()  # units kept for a backward: see paramfsm.engine.reshard
+    rt.scheduler.release_forward_holds()  # units kept for a backward: see paramfsm.engine.schedule.reshard
     busy = [rec.name for rec in rt._by_id.values() if rec.state is not State.NOT_AVAILABLE]
     if busy:
         raise ParamFSMError(f"cannot {what} while parameters are gathered: {busy[:5]}; "
@@ -199,32 +205,10 @@ def _dcp_group(rt):
     return None if rt.mesh is not None else rt.group
 
 
-def save(rt, path, optimizer=None) -> None:
-    """Save the model's shards (and the optimizer's, if given) to the DCP checkpoint ``path``. Collective."""
-    _require_idle(rt, "save a sharded checkpoint")
-    state = sharded_state_dict(rt)
-    if optimizer is not None:
-        state.update(sharded_optim_state_dict(rt, optimizer))
-    dcp.save(state, checkpoint_id=str(path), process_group=_dcp_group(rt))
+# Imported last: they build on the state-dict functions above.
+from paramfsm.checkpoint.background import SaveHandle  # noqa: E402
+from paramfsm.checkpoint.folders import latest  # noqa: E402
+from paramfsm.checkpoint.saving import load, save  # noqa: E402
 
-
-def load(rt, path, optimizer=None) -> None:
-    """Load a DCP checkpoint saved by :func:`save` on any number of ranks, in place. Collective."""
-    _require_idle(rt, "load a sharded checkpoint")
-    state = sharded_state_dict(rt)
-    if optimizer is not None:
-        _init_optim_state(optimizer)
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        # A parameter without optimizer state when the checkpoint was saved (no gradient yet) has none
-        # saved: it is not asked for, and loads as plain torch's load_state_dict leaves it, without state.
-        groups = f"{OPTIM_PREFIX}param_groups"
-        state.update({key: value for key, value in sharded_optim_state_dict(rt, optimizer).items()
-                      if key in saved or key == groups})
-    _announce_write(rt, "paramfsm.checkpoint.load()")
-    # dcp.load writes into the shards themselves (the state dict's DTensors view them), so a load that
-    # fails part-way leaves a mix of old and new values: the values guard holds until it completes.
-    with meta.setting_values(rt, "paramfsm.checkpoint.load"):
-        dcp.load(state, checkpoint_id=str(path), process_group=_dcp_group(rt))
-        load_sharded_state_dict(rt, state)
-    if optimizer is not None:
-        load_sharded_optim_state_dict(rt, optimizer, state)
+__all__ = ["OPTIM_PREFIX", "SaveHandle", "latest", "load", "load_sharded_optim_state_dict", "load_sharded_state_dict",
+           "save", "sharded_optim_state_dict", "sharded_state_dict"]

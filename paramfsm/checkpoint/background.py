@@ -1,0 +1,137 @@
+"""Asynchronous saves: the staged copy, the handle, and the process group the writes run on.
+
+[Note: what an asynchronous save runs where]
+``save(..., async_save=True)`` does on the calling thread everything that
+must happen before the next optimizer step: it waits for the runtime's
+previous save, agrees the staging folder among the ranks, and copies this
+rank's shards (and optimizer state) into a staging copy (:func:`stage`). Then
+a thread writes the copy and commits the folder, exactly as a synchronous
+save does. Its collectives (DCP's plan exchange, the agreement of the
+outcome) run on a gloo group of the same ranks made for background saves
+(:func:`background_group`), so they never interleave with the training
+loop's collectives on the runtime's group. The copy is released when the
+thread ends.
+
+One save at a time per runtime: a second ``save`` (or a ``load``) first waits
+for the first. A failed background save raises from ``handle.wait()``, and,
+if ``wait()`` was not called, from the next ``save`` or ``load`` of that
+runtime; it is also logged when it happens.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from paramfsm.errors import ParamFSMError
+
+logger = logging.getLogger(__name__)
+
+_pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> its save in progress
+_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runtime -> gloo group for background saves
+
+
+class SaveHandle:
+    """A save in progress, returned by ``paramfsm.checkpoint.save(..., async_save=True)``.
+
+    ``done()`` says whether the write has ended (successfully or not);
+    ``wait()`` blocks until it has, and raises :class:`ParamFSMError` naming
+    the path if it failed. ``staged_bytes`` is the size of the staging copy
+    this rank holds until the write ends.
+    """
+
+    __slots__ = ("path", "staged_bytes", "_thread", "_error", "_reported", "__weakref__")
+
+    def __init__(self, path, staged_bytes: int, write):
+        self.path = path
+        self.staged_bytes = staged_bytes
+        self._error: BaseException | None = None
+        self._reported = False
+        self._thread = threading.Thread(target=self._run, args=(write,), name=f"paramfsm-save {path}")
+
+    def _run(self, write) -> None:
+        try:
+            write()
+        except BaseException as exc:  # noqa: BLE001 - kept for wait(); a background thread has no caller
+            self._error = exc
+            logger.error("asynchronous paramfsm.checkpoint.save to %s failed: %s", self.path, exc)
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save has ended; raise its failure (every time it is asked)."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise ParamFSMError(f"the asynchronous save to '{self.path}' is still writing after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            if isinstance(self._error, ParamFSMError):
+                raise ParamFSMError(str(self._error)) from self._error.__cause__
+            raise ParamFSMError(f"the asynchronous save to '{self.path}' failed: "
+                                f"{type(self._error).__name__}: {self._error}") from self._error
+
+    def __repr__(self) -> str:
+        state = "writing" if not self.done() else ("failed" if self._error is not None else "done")
+        return f"<SaveHandle {self.path} {state}>"
+
+
+def start(rt, handle: SaveHandle) -> None:
+    _pending[rt] = handle
+    handle._thread.start()
+
+
+def settle(rt, what: str) -> None:
+    """Before a save or load: wait for the runtime's save in progress; raise its failure if nobody saw it."""
+    handle = _pending.pop(rt, None)
+    if handle is None:
+        return
+    seen = handle._reported  # wait() raised it to the caller already
+    try:
+        handle.wait()
+    except ParamFSMError as exc:
+        if not seen:
+            raise ParamFSMError(f"{exc}. This {what} did not start; call it again to retry") from exc
+
+
+def stage(state: dict) -> tuple[dict, int]:
+    """A copy of a state dict that later writes to the shards cannot change, and its size in bytes.
+
+    DTensors keep their placement metadata around a cloned local tensor (a
+    tied parameter's two keys share one clone); other tensors are cloned;
+    other values deep-copied.
+    """
+    clones: dict[tuple[int, int, tuple], torch.Tensor] = {}
+    out, nbytes = {}, 0
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            local = value.to_local()
+            ident = (local.data_ptr(), local.numel(), tuple(local.shape))
+            clone = clones.get(ident)
+            if clone is None:
+                clone = clones[ident] = local.detach().clone()
+                nbytes += clone.numel() * clone.element_size()
+            out[key] = DTensor.from_local(clone, value.device_mesh, value.placements, run_check=False,
+                                          shape=value.shape, stride=value.stride())
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()
+            nbytes += value.numel() * value.element_size()
+        else:
+            out[key] = copy.deepcopy(value)
+    return out, nbytes
+
+
+def background_group(rt, group):
+    """The runtime's gloo group for background saves, over the ranks of ``group``; made at its first
+    asynchronous save (collective over those ranks)."""
+    made = _groups.get(rt)
+    if made is None:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        made = _groups[rt] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    return made

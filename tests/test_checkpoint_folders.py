@@ -1,0 +1,161 @@
+"""Checkpoint folders on one rank: ``latest``, ``keep_last``, and loads of folders that are not complete checkpoints.
+
+Run in the test process (world 1), so they are quick and ``make mutate`` sees them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from one_rank import one_rank  # noqa: F401  (fixture)
+
+import paramfsm
+import paramfsm.checkpoint as ck
+from paramfsm.checkpoint import folders
+from paramfsm.errors import ArgumentError, ParamFSMError
+from paramfsm.testing.models import mlp
+
+
+@pytest.fixture
+def rt(one_rank):  # noqa: F811
+    torch.manual_seed(0)
+    runtime = paramfsm.shard(mlp(width=8, depth=2, d_in=4, d_out=3))
+    yield runtime
+    runtime.close()
+
+
+def _bump(rt) -> None:
+    """Change every shard, so each save holds different values."""
+    with torch.no_grad():
+        for shard in rt.shard_parameters():
+            shard.add_(1.0)
+
+
+def test_latest_is_the_newest_complete_checkpoint(rt, tmp_path):
+    assert ck.latest(tmp_path) is None and ck.latest(tmp_path / "nothing-here") is None
+    for name in ("step-9", "step-10", "step-2"):  # saved in this order: newest is step-2, not by name
+        ck.save(rt, tmp_path / name)
+    (tmp_path / "incomplete").mkdir()
+    (tmp_path / "incomplete" / "__0_0.distcp").write_bytes(b"x")
+    (tmp_path / ".step-3.staging-0").mkdir()  # an unfinished save is never a candidate
+    (tmp_path / ".step-3.staging-0" / ".metadata").write_bytes((tmp_path / "step-2" / ".metadata").read_bytes())
+    assert ck.latest(tmp_path) == tmp_path / "step-2"
+    assert ck.latest(str(tmp_path)) == tmp_path / "step-2"
+
+
+def test_keep_last_keeps_the_newest_checkpoints_paramfsm_saved(rt, tmp_path):
+    (tmp_path / "notes").mkdir()  # not a checkpoint: never removed
+    (tmp_path / "notes" / "a.txt").write_text("keep me")
+    for step in range(1, 5):
+        ck.save(rt, tmp_path / f"step-{step}", keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["notes", "step-3", "step-4"]
+    assert (tmp_path / "notes" / "a.txt").read_text() == "keep me"
+    ck.save(rt, tmp_path / "step-4", keep_last=1)  # saving over the newest keeps it, and only it
+    assert sorted(os.listdir(tmp_path)) == ["notes", "step-4"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_keep_last_takes_a_whole_number_of_at_least_one(rt, tmp_path, bad):
+    with pytest.raises(ArgumentError, match=re.escape(f"keep_last={bad!r}")):
+        ck.save(rt, tmp_path / "ck", keep_last=bad)
+    assert not os.listdir(tmp_path), "nothing is written before the arguments are checked"
+
+
+def test_a_save_over_a_checkpoint_replaces_it_and_leaves_nothing_beside(rt, tmp_path):
+    ck.save(rt, tmp_path / "ck")
+    want = rt.full_state_dict()
+    _bump(rt)
+    (tmp_path / ".ck.staging-left-by-a-crash").mkdir()
+    ck.save(rt, tmp_path / "ck")
+    assert sorted(os.listdir(tmp_path)) == ["ck"], "the next save cleans an unfinished save's staging folder"
+    newer = rt.full_state_dict()
+    ck.load(rt, tmp_path / "ck")
+    got = rt.full_state_dict()
+    assert all(torch.equal(got[k], newer[k]) and not torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_save_never_replaces_a_folder_that_is_not_a_checkpoint(rt, tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "data.csv").write_text("1,2\n")
+    with pytest.raises(ParamFSMError, match=re.escape(f"'{tmp_path / 'mine'}' exists and is not a checkpoint")):
+        ck.save(rt, tmp_path / "mine")
+    assert os.listdir(tmp_path / "mine") == ["data.csv"] and sorted(os.listdir(tmp_path)) == ["mine"]
+
+
+def _broken(tmp_path, rt, how: str):
+    """A copy of a good checkpoint broken one way; returns its path."""
+    good = tmp_path / "good"
+    ck.save(rt, good)
+    bad = tmp_path / how
+    bad.mkdir()
+    for file in good.iterdir():
+        (bad / file.name).write_bytes(file.read_bytes())
+    data = next(p for p in bad.iterdir() if p.suffix == ".distcp")
+    if how == "no-metadata":
+        (bad / ".metadata").unlink()
+    elif how == "no-data":
+        data.unlink()
+    elif how == "truncated":
+        data.write_bytes(data.read_bytes()[:10])
+    elif how == "garbled-metadata":
+        (bad / ".metadata").write_bytes(b"not a pickle")
+    return bad, data.name
+
+
+@pytest.mark.parametrize("how, says", [
+    ("no-metadata", "has no .metadata (DCP writes it last, so the save that made this folder did not finish"),
+    ("no-data", "data file '{bad}/{data}' is missing (.metadata lists it)"),
+    ("truncated", "data file '{bad}/{data}' is truncated: 10 bytes, .metadata needs"),
+    ("garbled-metadata", "'{bad}/.metadata' cannot be read"),
+])
+def test_a_load_of_an_incomplete_folder_says_what_is_missing_and_changes_nothing(rt, tmp_path, how, says):
+    bad, data = _broken(tmp_path, rt, how)
+    before = rt.full_state_dict()
+    _bump(rt)
+    bumped = rt.full_state_dict()
+    with pytest.raises(ParamFSMError, match=re.escape(says.format(bad=bad, data=data))) as caught:
+        ck.load(rt, bad)
+    assert "Nothing was loaded" in str(caught.value) and "(rank 0)" in str(caught.value)
+    assert isinstance(caught.value, Exception)
+    got = rt.full_state_dict()
+    assert all(torch.equal(got[k], bumped[k]) for k in got), "a failed load changed the model"
+    rt.model(torch.randn(2, 4))  # no values guard: nothing was written
+    ck.load(rt, tmp_path / "good")
+    got = rt.full_state_dict()
+    assert all(torch.equal(got[k], before[k]) for k in got)
+
+
+def test_a_load_of_a_missing_folder_names_the_unfinished_save_beside_it(rt, tmp_path):
+    (tmp_path / ".ck.staging-1").mkdir()
+    with pytest.raises(ParamFSMError, match=re.escape(
+            f"'{tmp_path / 'ck'}' does not exist; .ck.staging-1 beside it is a save that did not finish "
+            "(never loaded). Nothing was loaded")):
+        ck.load(rt, tmp_path / "ck")
+
+
+def test_a_missing_folder_whose_swap_was_interrupted_loads_the_checkpoint_moved_aside(rt, tmp_path):
+    ck.save(rt, tmp_path / "ck")
+    want = rt.full_state_dict()
+    os.rename(tmp_path / "ck", tmp_path / ".ck.retired-1")  # the first of the two renames, then a crash
+    _bump(rt)
+    ck.load(rt, tmp_path / "ck")
+    got = rt.full_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    ck.save(rt, tmp_path / "ck")
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_the_two_rename_swap_replaces_a_checkpoint(rt, tmp_path, monkeypatch):
+    monkeypatch.setattr(folders, "use_exchange", False)
+    ck.save(rt, tmp_path / "ck")
+    _bump(rt)
+    want = rt.full_state_dict()
+    ck.save(rt, tmp_path / "ck")
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    _bump(rt)
+    ck.load(rt, tmp_path / "ck")
+    got = rt.full_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in got)
