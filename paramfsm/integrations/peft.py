@@ -1,0 +1,97 @@
+"""PEFT adapters (LoRA and others) on a model sharded by :func:`paramfsm.shard`: saving them.
+
+Shard the ``PeftModel`` itself (``rt = paramfsm.shard(get_peft_model(base, config))``):
+adapters added after ``shard()`` would be parameters it does not know.
+Training needs nothing more; an optimizer over the trainable parameters steps
+their shards, as for any model.
+
+Saving does. PEFT's ``model.save_pretrained(d)`` reads ``model.state_dict()``,
+whose tensors hold no values between iterations, and raises ``NotGathered``.
+:func:`save_adapter` gathers the trainable parameters only (the adapter: a few
+MB, where the frozen base model can be many GB) and hands them to PEFT's own
+``save_pretrained``, which keeps the adapter's keys and writes the same files
+as a plain PEFT model: ``PeftModel.from_pretrained(base, d)`` loads them
+without paramfsm. :func:`trainable_state_dict` is the gathering step alone.
+Both are collective: every rank calls them.
+
+An adapter whose saved tensors are not all trainable parameters (VeRA's shared
+random projections, saved as buffers with ``save_projection=True``) needs the
+whole state dict: ``model.save_pretrained(d, state_dict=rt.full_state_dict(rank0_only=True))``
+on rank 0, after every rank called ``full_state_dict``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from paramfsm.errors import ParamFSMError
+
+logger = logging.getLogger(__name__)
+
+
+def trainable_state_dict(rt, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The full tensors of the model's trainable parameters, under their state-dict keys. Collective.
+
+    Every rank gathers the same parameters in the same order (a parameter's
+    ``requires_grad`` must agree across ranks, as it must for training). Tied
+    keys of one parameter share one tensor. ``rank0_only=True``: rank 0 gets
+    the tensors on the CPU and the other ranks an empty dict; every rank still
+    takes part in each gather.
+    """
+    keep = not rank0_only or _global_rank(rt) == 0
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor | None] = {}  # id(parameter) -> its full tensor (None: gathered, not kept)
+    for key, value in rt.model.state_dict(keep_vars=True).items():
+        if not (isinstance(value, torch.nn.Parameter) and value.requires_grad):
+            continue
+        if id(value) not in done:
+            full = rt.full_param(value) if _partitioned(rt, value) else value.detach().clone()
+            done[id(value)] = (full.to("cpu") if rank0_only else full) if keep else None
+        if keep:
+            out[key] = done[id(value)]
+    return out
+
+
+def save_adapter(rt, directory, **kwargs) -> None:
+    """Save the adapter of the sharded ``PeftModel`` as ``model.save_pretrained(directory)`` would. Collective.
+
+    Every rank gathers the trainable parameters (:func:`trainable_state_dict`);
+    global rank 0 writes ``adapter_model.safetensors`` and ``adapter_config.json``
+    with PEFT's own ``save_pretrained(directory, state_dict=..., **kwargs)``
+    (``selected_adapters=``, ``safe_serialization=`` and the rest pass
+    through); then every rank waits for the files, so any rank can read them
+    once this returns.
+    """
+    save = getattr(rt.model, "save_pretrained", None)
+    if save is None or not hasattr(rt.model, "peft_config"):
+        raise ParamFSMError(f"save_adapter: the sharded {type(rt.model).__name__} is not a PEFT model (rank "
+                            f"{rt.rank}); shard the PeftModel (paramfsm.shard(get_peft_model(base, config))), or "
+                            "save a plain model with save_pretrained(d, state_dict=rt.full_state_dict(rank0_only=True))")
+    state_dict = trainable_state_dict(rt, rank0_only=True)
+    if _global_rank(rt) == 0:
+        if not state_dict:
+            raise ParamFSMError(f"save_adapter: '{type(rt.model).__name__}' has no trainable parameter to save; "
+                                "an adapter is saved from its trainable parameters (was the model frozen after "
+                                "get_peft_model?)")
+        logger.info("writing %d adapter tensors to %s", len(state_dict), directory)
+        save(os.fspath(directory), state_dict=state_dict, **kwargs)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _partitioned(rt, parameter) -> bool:
+    """Whether the runtime partitions ``parameter`` (one it keeps whole has no record)."""
+    try:
+        rt.record(parameter)
+    except ParamFSMError:
+        return False
+    return True
+
+
+def _global_rank(rt) -> int:
+    """The writer's rank: rank 0 of the default group (of the whole mesh under hybrid sharding)."""
+    return dist.get_rank() if dist.is_initialized() else rt.rank
