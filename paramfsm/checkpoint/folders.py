@@ -76,7 +76,7 @@ def _leftovers(path: Path, kind: str) -> list[Path]:
     prefix = f".{path.name}.{kind}-"
     try:
         return sorted(p for p in path.parent.iterdir() if p.name.startswith(prefix))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
 
 

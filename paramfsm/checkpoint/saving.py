@@ -145,7 +145,7 @@ def _prepare(group, path: Path) -> str:
             message = [None, str(exc)]
         except OSError as exc:
             message = [None, f"paramfsm.checkpoint.save: cannot prepare '{path}' ({_describe(exc)}); nothing "
-                             "was written"]
+                             "was written. What to do: check that its parent is a writable folder"]
     dist.broadcast_object_list(message, group=group, group_src=0)
     token, error = message
     if error is not None:
