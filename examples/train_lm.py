@@ -4,6 +4,7 @@ One machine, two processes (gloo on CPU, NCCL when CUDA is there)::
 
     torchrun --nproc-per-node 2 examples/train_lm.py --steps 50 --out runs/lm
     torchrun --nproc-per-node 2 examples/train_lm.py --steps 100 --out runs/lm --resume
+    torchrun --nproc-per-node 2 examples/train_lm.py --steps 100 --out runs/lm --resume runs/lm/step-40
 
 Several machines (run on every node, with its --node-rank)::
 
@@ -18,7 +19,9 @@ any world size (``--eager`` builds it whole on every rank instead);
 gradient accumulation (``--accum K``: the first K-1 micro-batches under ``rt.no_sync()``, one
 reduce-scatter per step);
 ``rt.clip_grad_norm_``; optional bf16 compute; a sharded DCP checkpoint every
-``--save-every`` steps and ``--resume`` from the latest; the flight recorder
+``--save-every`` steps (atomic: a crash mid-save keeps the previous one; ``--keep-last N``;
+``--async-save`` writes in the background) and ``--resume`` from the newest complete one
+(``paramfsm.checkpoint.latest``) or a given folder; the flight recorder
 (on by default: a failure leaves ``paramfsm-trace-rank*.jsonl`` in ``--out``);
 and one progress line per step on rank 0. The data is a synthetic token stream
 drawn from the global step, so a resumed run sees exactly the batches an
@@ -65,7 +68,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="REPLICATExSHARD, e.g. 2x4: shard within groups of SHARD ranks, replicate across")
     parser.add_argument("--out", type=Path, default=Path("runs/lm"))
     parser.add_argument("--save-every", type=int, default=10)
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    parser.add_argument("--keep-last", type=int, default=None, help="keep only the newest N checkpoints in --out")
+    parser.add_argument("--async-save", action="store_true",
+                        help="write checkpoints in the background (training goes on after a copy of the shards)")
+    parser.add_argument("--resume", nargs="?", const="auto", default=None, metavar="auto|FOLDER",
+                        help="continue from the newest complete checkpoint in --out ('auto', the default when "
+                             "given without a value; starts from step 0 when there is none) or from FOLDER")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eager", action="store_true",
                         help="build the whole model on every rank, then shard it (default: build on meta)")
@@ -121,9 +129,26 @@ def batch(step: int, micro: int, args, rank: int, world: int, device) -> torch.T
     return tokens.chunk(world)[rank].to(device)
 
 
-def latest_checkpoint(out: Path) -> tuple[int, Path] | None:
-    found = [(int(p.name.split("-")[1]), p) for p in out.glob("step-*") if (p / ".metadata").exists()]
-    return max(found) if found else None
+def checkpoint_to_resume(args) -> tuple[int, Path] | None:
+    """``(step, folder)`` of the checkpoint ``--resume`` names, or None when ``auto`` finds none.
+
+    Exits with a message for a folder whose name is not ``step-N`` and for a
+    ``--steps`` below the checkpoint's step (the run would do nothing).
+    """
+    if args.resume == "auto":
+        path = paramfsm.checkpoint.latest(args.out)
+        if path is None:
+            return None
+    else:
+        path = Path(args.resume)
+    match = re.fullmatch(r"step-(\d+)", path.name)
+    if match is None:
+        raise SystemExit(f"--resume {path}: expected a checkpoint folder named step-N (as this script saves)")
+    step = int(match.group(1))
+    if args.steps < step:
+        raise SystemExit(f"--steps {args.steps} is below the step of the checkpoint to resume ({path}, step {step}): "
+                         f"pass --steps above {step} to train on from it")
+    return step, path
 
 
 def main(argv=None) -> int:
@@ -151,13 +176,19 @@ def main(argv=None) -> int:
     paramfsm.optim.map_optimizer(opt)  # steps the shards; mapped now so a checkpoint can load into it
 
     start = 0
-    if args.resume:
-        found = latest_checkpoint(args.out)
-        if found is not None:
+    if args.resume is not None:
+        found = checkpoint_to_resume(args)
+        if found is None:
+            if rank == 0:
+                print(f"nothing to resume in {args.out} (no complete checkpoint): starting from step 0", flush=True)
+        else:
             start, path = found
             paramfsm.checkpoint.load(rt, path, optimizer=opt)
             if rank == 0:
-                print(f"resumed from {path} at step {start}", flush=True)
+                left = f"training to step {args.steps}" if start < args.steps else "nothing left to train"
+                print(f"resumed from {path} at step {start}: {left}", flush=True)
+
+    saving = None
 
     for step in range(start, args.steps):
         began = time.perf_counter()
@@ -182,7 +213,10 @@ def main(argv=None) -> int:
             print(f"step {step + 1}/{args.steps} loss {total.item() / world:.4f} tokens/s {tokens_per_s:,.0f} "
                   f"deferred {rt.deferred_bytes} B{extra}", flush=True)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            paramfsm.checkpoint.save(rt, args.out / f"step-{step + 1}", optimizer=opt)
+            saving = paramfsm.checkpoint.save(rt, args.out / f"step-{step + 1}", optimizer=opt,
+                                              keep_last=args.keep_last, async_save=args.async_save)
+    if saving is not None:
+        saving.wait()  # the last checkpoint is on disk before the run ends
     rt.close()
     dist.destroy_process_group()
     return 0

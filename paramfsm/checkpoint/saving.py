@@ -13,6 +13,7 @@ import copy
 import logging
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -126,9 +127,9 @@ def save(rt, path, optimizer=None, *, keep_last: int | None = None, async_save: 
     staged, nbytes = background.stage(state)
     del state
     writes_on = background.background_group(rt, group)
-    handle = background.SaveHandle(path, nbytes, lambda: _write(staged, path, token, writes_on, shapes,
-                                                                optimizer is not None, keep_last))
+    write = partial(_write, staged, path, token, writes_on, shapes, optimizer is not None, keep_last)
     del staged  # the thread's reference is the only one: released when the write ends
+    handle = background.SaveHandle(path, nbytes, write)
     background.start(rt, handle)
     return handle
 
