@@ -44,7 +44,8 @@ FORMAT = "paramfsm-checkpoint"
 
 #: Called with each named point a save passes (``fault_hook(point)``), on the rank that passes it; tests
 #: set it to kill or fail a rank there. The points, in order: ``prepared`` (every rank, staging folder
-#: made), ``data_written`` (every rank, its files written), ``metadata`` (rank 0, before DCP's
+#: made), ``writing`` (every rank, before DCP reads the state: on the background thread of an
+#: asynchronous save), ``data_written`` (every rank, its files written), ``metadata`` (rank 0, before DCP's
 #: ``.metadata``), ``written`` (every rank, the DCP save returned), ``manifest_written`` (rank 0),
 #: ``retired`` (rank 0, two-rename swap only: ``path`` moved aside), ``committed`` (rank 0, ``path`` is
 #: the new checkpoint, the old one not yet removed), ``pruning`` (rank 0, ``keep_last`` mid-removal).

@@ -160,6 +160,7 @@ def _write(state, path: Path, token: str, group, shapes, with_optimizer: bool, k
 
     folder = folders.staging(path, token)
     error, committed = None, False
+    folders.reach("writing")
     try:
         dcp_save(state, storage_writer=_writer(folder), process_group=group)
         folders.reach("written")
