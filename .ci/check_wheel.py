@@ -111,7 +111,7 @@ def check_sdist(sdist: Path, specs: list[str]) -> str:
 def wheel_expected(files: list[str]) -> dict[str, Path]:
     """Path in the wheel -> the checkout file it must equal, for everything under ``paramfsm/``."""
     packaged = [name for name in files if fnmatch(name, "paramfsm/*.py")
-                or any(fnmatch(name, f"paramfsm/engine/kernels/{pattern}") for pattern in KERNEL_SOURCES)]
+                or any(fnmatch(name, f"paramfsm/engine/effects/kernels/{pattern}") for pattern in KERNEL_SOURCES)]
     expected = {name: REPO / name for name in packaged}
     expected.update({f"paramfsm/{name}": REPO / name for name in shipped_specs(files)})
     return expected

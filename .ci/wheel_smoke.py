@@ -23,7 +23,7 @@ import torch.distributed as dist
 import paramfsm
 from paramfsm import State
 from paramfsm.core.spec import DEFAULT_SPEC, load_spec
-from paramfsm.engine.kernels.cupy_impl import kernel_source
+from paramfsm.engine.effects.kernels.cupy_impl import kernel_source
 
 
 def check_installation(checkout: Path) -> None:

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paramfsm.core.fsm import Lifetime, StepContext, default_table, step_many  # noqa: E402
 from paramfsm.core.trace import DEFAULT_RING, Trace  # noqa: E402
-from paramfsm.engine import kernels  # noqa: E402
-from paramfsm.engine.kernels import shard_layout, torch_impl  # noqa: E402
+from paramfsm.engine.effects import kernels  # noqa: E402
+from paramfsm.engine.effects.kernels import shard_layout, torch_impl  # noqa: E402
 
 WORLD = 2
 WIDTH = 128

@@ -39,7 +39,7 @@ except ImportError:
     # Allow running from a source checkout that is not installed.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paramfsm.engine.kernels import cupy_impl, kernels_available, shard_layout, torch_impl  # noqa: E402
+from paramfsm.engine.effects.kernels import cupy_impl, kernels_available, shard_layout, torch_impl  # noqa: E402
 
 LARGE_TOTAL = 64 * 1024 * 1024
 

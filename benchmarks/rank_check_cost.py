@@ -1,10 +1,10 @@
-"""Cost of the rank-order check (paramfsm.engine.rankcheck): median time per training step, 2 gloo ranks.
+"""Cost of the rank-order check (paramfsm.engine.effects.rankcheck): median time per training step, 2 gloo ranks.
 
 Four settings of the check on the same model and loop: "off" (no check),
 "tag" (the tag riding in each gather bucket alone: the default before sizes
 were agreed), "agreed" (the default: the tag, and sizes agreed before every
 collective moves, by headers the exchange threads swap, or by none in a
-repeating run; see the notes of paramfsm.engine.rankcheck), and "debug"
+repeating run; see the notes of paramfsm.engine.effects.rankcheck), and "debug"
 (``debug=True``: a blocking header all-gather before every collective). The
 exchanges made with sizes agreed form their own sequence, so "agreed" steps
 reach their runs although other settings run in between. Three models:

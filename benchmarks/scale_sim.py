@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import paramfsm
-from paramfsm.engine import gathers as gathers_module
+from paramfsm.engine.effects import gathers as gathers_module
 from paramfsm.testing.models import Block, TinyTransformer
 
 VOCAB, DIM, DEPTH, SEQ, BATCH = 256, 128, 6, 64, 4

@@ -38,7 +38,7 @@ except ImportError:  # a source checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import paramfsm
 
-from paramfsm.engine.streams import HostStreams  # noqa: E402
+from paramfsm.engine.effects.streams import HostStreams  # noqa: E402
 from paramfsm.launch import free_port  # noqa: E402
 from paramfsm.testing.scenarios import force_collectives  # noqa: E402
 

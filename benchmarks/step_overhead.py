@@ -176,8 +176,8 @@ def paramfsm_job(rank, world, name, steps, warmup, over="shards", trace=False, b
 
 def hooks_job(rank, world, name: str, steps: int, warmup: int) -> float:
     """Plain torch with paramfsm's hooks installed, emitting into a no-op: the hooks' own cost."""
-    from paramfsm.engine import hooks
-    from paramfsm.engine.units import build_units
+    from paramfsm.engine.events import hooks
+    from paramfsm.engine.storage.units import build_units
 
     model = build(name)
     units, records = build_units(model, units_of(name), 0, 1)
@@ -198,7 +198,7 @@ def comm_job(rank, world, name: str, steps: int, warmup: int) -> tuple[float, in
     import torch.distributed as dist
 
     import paramfsm
-    from paramfsm.engine import executor, gathers
+    from paramfsm.engine.effects import executor, gathers
 
     model = build(name)
     rt = paramfsm.shard(model, trace=0, units=units_of(name))

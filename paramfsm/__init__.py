@@ -9,9 +9,8 @@ reduce-scatter). See the README for the public contract.
 
 from paramfsm.core.spec import State
 from paramfsm.errors import (
-    ArgumentError, ArgumentTypeError, CollectiveTimeout, IllegalTransition, ModelChanged, ModelMismatch,
-    NotGathered, ParamFSMError,
-    RankDesync, SpecError, UnsupportedOutput,
+    ArgumentError, ArgumentTypeError, CollectiveTimeout, IllegalTransition, ModelChanged, ModelMismatch, NotGathered,
+    ParamFSMError, RankDesync, SpecError, UnsupportedOutput,
 )
 
 __all__ = ["shard", "by_size", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync",
@@ -27,7 +26,7 @@ def __getattr__(name: str):
 
         return getattr(runtime, name)
     if name == "by_size":
-        from paramfsm.engine.units import by_size
+        from paramfsm.engine.storage.units import by_size
 
         return by_size
     raise AttributeError(f"module 'paramfsm' has no attribute {name!r}")

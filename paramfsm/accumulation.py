@@ -5,7 +5,7 @@ gradients, so K micro-batches cost K reduce-scatters per bucket. Under
 ``rt.no_sync()`` (DDP's and FSDP1's name) or after
 ``rt.set_requires_gradient_sync(False)`` (FSDP2's), backward keeps each
 parameter's full gradient on this rank, summed over the micro-batches
-(:mod:`paramfsm.engine.grad_sync`; the spec's ``grad_kept`` / ``grad_sync``
+(:mod:`paramfsm.engine.effects.grad_sync`; the spec's ``grad_kept`` / ``grad_sync``
 events), and the first backward with sync on reduce-scatters the sum once::
 
     for i, batch in enumerate(micro_batches):
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 
-from paramfsm.engine.grad_sync import UNSYNCED
+from paramfsm.engine.effects.grad_sync import UNSYNCED
 from paramfsm.errors import ParamFSMError
 
 
@@ -40,19 +40,19 @@ from paramfsm.errors import ParamFSMError
 def no_sync(rt):
     """Backward passes inside keep their gradients on this rank; sync is restored (not run) on exit."""
     scheduler = rt.scheduler
-    before = scheduler.sync_grads
-    scheduler.sync_grads = False
+    before = scheduler.grads.sync
+    scheduler.grads.sync = False
     try:
         yield
     finally:
-        scheduler.sync_grads = before
+        scheduler.grads.sync = before
 
 
 def set_requires_gradient_sync(rt, requires_gradient_sync: bool) -> None:
     """Turn the reduce-scatter of gradients at the end of backward on or off (FSDP2's switch)."""
     if not isinstance(requires_gradient_sync, bool):
         raise ParamFSMError(f"rt.set_requires_gradient_sync({requires_gradient_sync!r}): expected True or False")
-    rt.scheduler.sync_grads = requires_gradient_sync
+    rt.scheduler.grads.sync = requires_gradient_sync
 
 
 def sync_gradients(rt) -> None:
@@ -61,11 +61,11 @@ def sync_gradients(rt) -> None:
     Every rank calls it, between backward passes. It sends every parameter of
     the units a backward reached under ``no_sync`` since the last
     synchronisation, zeros where this rank kept none (see [Note: ranks
-    synchronise the same parameters] in :mod:`paramfsm.engine.grad_sync`), and
+    synchronise the same parameters] in :mod:`paramfsm.engine.effects.grad_sync`), and
     nothing when no such backward ran.
     """
     scheduler = rt.scheduler
-    if scheduler.tasks:
+    if scheduler.graph.running():
         raise ParamFSMError("rt.sync_gradients() was called inside a backward (from a hook?); call it between "
                             "backward passes, on every rank")
     unsynced = rt.executor.unsynced
@@ -73,7 +73,7 @@ def sync_gradients(rt) -> None:
     if lost:
         unsynced.refuse("rt.sync_gradients()", lost)
     with rt._reporting():
-        scheduler.sync_kept(force=True)
+        scheduler.grads.sync_kept(force=True)
 
 
 def require_synced(rt, what: str) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from paramfsm import accumulation, optim
-from paramfsm.engine.collectives import all_reduce_max
+from paramfsm.engine.effects.collectives import all_reduce_max
 
 
 class GradScaler(torch.amp.GradScaler):

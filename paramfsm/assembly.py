@@ -23,15 +23,17 @@ from torch.utils.weak import WeakIdKeyDictionary
 from paramfsm import full_state, memory, meta, model_changes, optim, rank_agreement
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
-from paramfsm.engine import hooks, on_demand, partitioned, reshard
-from paramfsm.engine.collectives import resolve_group, resolve_mesh, timeout_s
-from paramfsm.engine.compile_guard import eager
-from paramfsm.engine.executor import Executor
-from paramfsm.engine.flight import FlightRecorder, make_trace
-from paramfsm.engine.scheduler import Scheduler
-from paramfsm.engine.streams import streams_for
-from paramfsm.engine.units import build_units, select_unit_modules
-from paramfsm.engine.unsupported import refuse_unsupported
+from paramfsm.engine.effects.collectives import resolve_group, resolve_mesh, timeout_s
+from paramfsm.engine.effects.executor import Executor
+from paramfsm.engine.effects.streams import streams_for
+from paramfsm.engine.events import hooks
+from paramfsm.engine.events.compile_guard import eager
+from paramfsm.engine.schedule import reshard
+from paramfsm.engine.schedule.flight import FlightRecorder, make_trace
+from paramfsm.engine.schedule.scheduler import Scheduler
+from paramfsm.engine.storage import partitioned, placeholder
+from paramfsm.engine.storage.units import build_units, select_unit_modules
+from paramfsm.engine.storage.unsupported import refuse_unsupported
 from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
 
 RETAIN_POLICIES = ("defer", "regather")
@@ -127,7 +129,7 @@ def check_dtype(name: str, dtype) -> None:
 
 
 def check_trace(trace) -> None:
-    """``trace``: what :func:`paramfsm.engine.flight.make_trace` takes; a path is checked before partitioning,
+    """``trace``: what :func:`paramfsm.engine.schedule.flight.make_trace` takes; a path is checked before partitioning,
     since the file is opened only once the parameters are sharded."""
     expected = ("False (the flight recorder), True (every transition), a number of records to keep (0: none) "
                 "or a JSON Lines path to stream to")
@@ -154,7 +156,7 @@ def check_reshard_policy(policy) -> None:
 def apply_reshard_policy(rt, policy) -> None:
     """Resolve ``reshard_after_forward`` per unit; a predicate that fails hands the model back first."""
     try:
-        rt.scheduler.keep_after_forward = reshard.kept_units(rt.units, policy)
+        rt.scheduler.holds.keep_after_forward = reshard.kept_units(rt.units, policy)
     except BaseException:
         rt.close()
         raise
@@ -207,7 +209,7 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
     rt._watch = model_changes.watch(model, records, trace_rank)
     rt._handles.append(model.register_forward_pre_hook(eager(lambda module, args: rt._watch.check()), prepend=True))
     meta.watch(rt, born_meta, device)
-    on_demand.watch(records, rt.scheduler)
+    placeholder.answer_demands(records, rt.scheduler.on_demand.demand)
     if param_dtype is not None:
         rt._handles.append(model.register_forward_pre_hook(partial(cast_inputs, param_dtype), with_kwargs=True))
     SHARDED[model] = True

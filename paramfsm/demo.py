@@ -90,7 +90,7 @@ def train(rank: int, world: int, steps: int, out: str) -> dict:
     report = {"rank": rank, "records": len(rt.trace), "replay": str(problem) if problem else "clean",
               "worst_grad": worst_grad, "worst_param": worst_param, "first": history[0], "last": history[-1],
               "counters": rt.counters, "jsonl": str(jsonl), "perfetto": str(perfetto),
-              "leaks": [str(leak) for leak in rt.scheduler.last_audit]}
+              "leaks": [str(leak) for leak in rt.scheduler.audit.last]}
     rt.close()
     return report
 

@@ -107,7 +107,7 @@ class NotGathered(ParamFSMError):
     """A partitioned parameter was used while only this rank's shard is present.
 
     Raised by the placeholder of a parameter that is NOT_AVAILABLE (see
-    :mod:`paramfsm.engine.placeholder`) when an operation reads it outside its unit's
+    :mod:`paramfsm.engine.storage.placeholder`) when an operation reads it outside its unit's
     forward or backward.
     """
 
@@ -140,7 +140,7 @@ class UnsyncedGradients(ParamFSMError):
     """Something needs the synchronised gradients while this rank still holds unsynchronised ones.
 
     Raised by an optimizer step, ``rt.clip_grad_norm_``, a GradScaler's ``unscale_``, ``rt.full_grad``
-    and ``rt.close()`` after backward passes under ``rt.no_sync()`` (see :mod:`paramfsm.engine.grad_sync`).
+    and ``rt.close()`` after backward passes under ``rt.no_sync()`` (see :mod:`paramfsm.engine.effects.grad_sync`).
     """
 
     def __init__(self, *, param: str, unit: str, rank: int, what: str, detail: str):
@@ -164,7 +164,7 @@ class ModelChanged(ParamFSMError):
 
 class UnsupportedOutput(ParamFSMError):
     """A unit's forward returned tensors of the autograd graph inside an object the hooks cannot look into
-    (see :mod:`paramfsm.engine.outputs`); raised at that forward, before any backward could crash."""
+    (see :mod:`paramfsm.engine.events.outputs`); raised at that forward, before any backward could crash."""
 
     def __init__(self, *, module: str, type_name: str, full_type_name: str):
         self.module, self.type_name = module, type_name

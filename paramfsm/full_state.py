@@ -15,7 +15,7 @@ collectives as safe as the gathers of forward and backward:
 
 [Note: full-tensor collectives carry a rank-order tag]
 A full-tensor all-gather is tagged ``(gather number, step, index, elements)``
-like a unit's bucket (:mod:`paramfsm.engine.rankcheck`), where ``index``
+like a unit's bucket (:mod:`paramfsm.engine.effects.rankcheck`), where ``index``
 counts past the units: ``units + 2 * i`` for parameter ``i``'s value and
 ``units + 2 * i + 1`` for its gradient. So it can never be mistaken for a
 unit's gather, for another parameter's full tensor, or for the gradient of
@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from paramfsm import meta
 from paramfsm.core.spec import State
-from paramfsm.engine import kernels, rankcheck
-from paramfsm.engine.collectives import all_gather_flat
+from paramfsm.engine.effects import kernels, rankcheck
+from paramfsm.engine.effects.collectives import all_gather_flat
 from paramfsm.errors import ParamFSMError
 
 PARAMETER, GRADIENT = "parameter", "gradient"
@@ -131,7 +131,7 @@ def load_full_state_dict(rt, state_dict) -> None:
     are not copied whole.
     """
     rt.flush()
-    rt.scheduler.release_forward_holds()  # kept for a backward the load makes stale: see paramfsm.engine.reshard
+    rt.scheduler.release_forward_holds()  # kept for a backward the load makes stale: see paramfsm.engine.schedule.reshard
     busy = [rec.name for rec in rt._by_id.values() if rec.state is not State.NOT_AVAILABLE]
     if busy:
         raise ParamFSMError(f"cannot load a state dict while parameters are gathered: {busy[:5]}; "

@@ -22,7 +22,7 @@ the block ends, on every rank:
   stopped at different points).
 
 ``p.grad`` inside the block stays this rank's shard gradient, as outside it
-(see :mod:`paramfsm.engine.partitioned`): zeroing and clamping reach it,
+(see :mod:`paramfsm.engine.storage.partitioned`): zeroing and clamping reach it,
 reading it as a full gradient raises ``NotGathered``, and assigning a full-size
 gradient raises. ``writeback=False`` is the read-only block, at no cost.
 """
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from paramfsm.core.spec import State
-from paramfsm.engine import placeholder
-from paramfsm.engine.units import units_within
+from paramfsm.engine.storage import placeholder
+from paramfsm.engine.storage.units import units_within
 from paramfsm.errors import ParamFSMError
 
 UNCHANGED, CHANGED, INVALID = 0, 1, 2

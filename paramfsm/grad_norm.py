@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from paramfsm.engine.collectives import all_reduce_max, all_reduce_sum
+from paramfsm.engine.effects.collectives import all_reduce_max, all_reduce_sum
 from paramfsm.errors import ParamFSMError
 
 
@@ -29,7 +29,7 @@ def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, group=No
 
     Collective: every rank calls it. Returns the total norm (before clipping)
     as a float32 tensor, identical on every rank. ``wait``: how the host waits
-    for the all-reduce (a time-limited waiter, see :func:`paramfsm.engine.collectives.waiter`).
+    for the all-reduce (a time-limited waiter, see :func:`paramfsm.engine.effects.collectives.waiter`).
     """
     norm_type = float(norm_type)
     grads = [s.grad for s in shards if s.grad is not None]

@@ -46,7 +46,7 @@ from torch import nn
 
 from paramfsm import full_state, meta
 from paramfsm.core.spec import State
-from paramfsm.engine import placeholder
+from paramfsm.engine.storage import placeholder
 from paramfsm.errors import NotGathered, ParamFSMError
 
 

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 from torch import nn
 from torch.nn.modules.module import (
-    register_module_forward_pre_hook, register_module_module_registration_hook,
+    register_module_forward_pre_hook,
+    register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm.engine.compile_guard import eager
+from paramfsm.engine.events.compile_guard import eager
 from paramfsm.errors import ModelChanged
 
 #: module of a sharded model -> that model's :class:`Watch`

@@ -13,7 +13,7 @@ keeping each group's options (lr, weight decay, betas, ...). After that the
 optimizer *is* an optimizer over shards: ``zero_grad``, LR schedulers and
 ``state_dict()`` / ``load_state_dict()`` work as usual. Until it first steps,
 ``zero_grad()`` already reaches the shard gradients through the parameters'
-``.grad`` (see :mod:`paramfsm.engine.partitioned`).
+``.grad`` (see :mod:`paramfsm.engine.storage.partitioned`).
 
 State the optimizer holds for a parameter it is about to map:
 
@@ -41,8 +41,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from paramfsm.accumulation import refuse_step
-from paramfsm.engine.grad_sync import UNSYNCED
-from paramfsm.engine.partitioned import OWNERS, record_of
+from paramfsm.engine.effects.grad_sync import UNSYNCED
+from paramfsm.engine.storage.partitioned import OWNERS, record_of
 from paramfsm.errors import ParamFSMError
 
 # optimizer -> (sharding generation, param groups scanned, whether it steps shards, the shards' writers)
@@ -118,7 +118,7 @@ def _announce_writes(optimizer, writers) -> None:
     a retained graph, a GAN's discriminator stepped between two forwards) would
     otherwise be read again with the old values. The scheduler drops such
     copies, or refuses the step while one is held (see
-    :mod:`paramfsm.engine.shard_writes`). A step changes only the shards that
+    :mod:`paramfsm.engine.schedule.shard_writes`). A step changes only the shards that
     have a gradient (every ``torch.optim`` optimizer skips the others), so
     only those parameters get their autograd version bumped.
     """

@@ -16,10 +16,10 @@ from torch import nn
 
 from paramfsm import accumulation, assembly, checkpoint, full_state, grad_norm, materialize, memory, teardown
 from paramfsm.core.spec import State
-from paramfsm.engine import graph_task as gt
-from paramfsm.engine.units import ParamRecord
-from paramfsm.gathered import gathered as gathered_block
+from paramfsm.engine.events import graph_task as gt
+from paramfsm.engine.storage.units import ParamRecord
 from paramfsm.errors import ParamFSMError
+from paramfsm.gathered import gathered as gathered_block
 
 
 def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
@@ -33,7 +33,7 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     a predicate ``(name, module) -> bool``, or a list of module classes, modules
     of the model and predicates; a class or module that matches nothing raises
     ``ArgumentError`` when no entry matches, else warns ``UnmatchedUnits``
-    (:func:`paramfsm.engine.units.select_unit_modules`). Every argument is checked
+    (:func:`paramfsm.engine.storage.units.select_unit_modules`). Every argument is checked
     before anything changes: a wrong type raises ``ArgumentTypeError``, a wrong
     value ``ArgumentError``, naming it (:func:`paramfsm.assembly.check_arguments`). ``retain``:
     "defer" keeps parameters released inside a keep-graph backward for the
@@ -43,7 +43,7 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     reduce-scattered) together up to this many bytes. ``spec``: a path to an
     alternative lifetime spec. ``trace``: False keeps the flight recorder, a ring
     of the last ``$PARAMFSM_TRACE_RECORDS`` (default 8192) transitions dumped
-    when something fails (:mod:`paramfsm.engine.flight`); an int N keeps the last
+    when something fails (:mod:`paramfsm.engine.schedule.flight`); an int N keeps the last
     N (0: no trace at all); True keeps every transition in memory; a path
     streams every transition to that JSON Lines file. ``strict``: cross-check every transition against
     the spec's ``transitions`` Machine (microseconds per step) and raise on leaks
@@ -54,7 +54,7 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     reduce-scatter gradients in this dtype. ``debug``: check that all ranks
     issue the same collectives with a small blocking header all-gather before
     every all-gather and reduce-scatter, on every backend (see
-    :mod:`paramfsm.engine.rankcheck`). Without it, on gloo, a tag rides in each
+    :mod:`paramfsm.engine.effects.rankcheck`). Without it, on gloo, a tag rides in each
     gather bucket and every collective agrees its sizes across ranks before it
     moves (headers the exchange threads swap, none once the steps repeat), so a
     desync still raises RankDesync on every rank instead of aborting the
@@ -80,7 +80,7 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     from its forward to its backward (one all-gather per unit per step, more
     memory); a predicate ``(name, module) -> bool`` decides per unit (``""`` is
     the root: ``lambda name, module: name != ""`` keeps only the root, FSDP2's
-    default). See :mod:`paramfsm.engine.reshard`.
+    default). See :mod:`paramfsm.engine.schedule.reshard`.
     """
     group, replicate_group, limit, units = assembly.check_arguments(
         model, group, units, mesh, retain=retain, max_deferred_bytes=max_deferred_bytes, prefetch=prefetch,
@@ -135,7 +135,7 @@ class Runtime:
 
     @property
     def deferred_bytes(self) -> int:
-        return self.scheduler.deferred_bytes
+        return self.scheduler.deferral.bytes
 
     def memory(self) -> dict[str, int]:
         """Bytes held now, by kind (shards, gathered parameters, unsynchronised gradients, ...): see

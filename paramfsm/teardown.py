@@ -11,7 +11,8 @@ from torch import nn
 
 from paramfsm import accumulation, full_state, model_changes
 from paramfsm.assembly import PARTITIONED, SHARDED
-from paramfsm.engine import hooks, partitioned, placeholder
+from paramfsm.engine.events import hooks
+from paramfsm.engine.storage import partitioned, placeholder
 
 
 def remove_hooks(rt) -> None:

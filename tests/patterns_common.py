@@ -71,7 +71,7 @@ class Pair:
         """Trace replays cleanly, the last leak audit is empty; returns a small report."""
         problem = replay(self.rt.trace.records, default_table())
         assert problem is None, str(problem)
-        assert self.rt.scheduler.last_audit == [], self.rt.scheduler.last_audit
+        assert self.rt.scheduler.audit.last == [], self.rt.scheduler.audit.last
         report = {"grad_err": self.worst_grad, "param_err": self.worst_param, "checks": self.checks,
                   "records": len(self.rt.trace), "counters": self.rt.counters}
         if close:

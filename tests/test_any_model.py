@@ -5,7 +5,7 @@ A parent whose forward reads a child's weight (an output layer tied through
 ``out_proj.weight`` itself) train like plain torch: the torch.nn modules that
 read their children's parameters are one unit by default, and any other read
 outside a unit is gathered on demand for the reading unit (see
-:mod:`paramfsm.engine.on_demand`), with a one-time warning that names the fix.
+:mod:`paramfsm.engine.schedule.on_demand`), with a one-time warning that names the fix.
 Outside any forward or backward, ``NotGathered`` names the parameter touched.
 """
 
@@ -20,7 +20,7 @@ from patterns_common import Pair, batch, reduces_by_task
 from torch import nn
 
 from paramfsm import NotGathered, State
-from paramfsm.engine.on_demand import ReadOutsideUnit
+from paramfsm.engine.schedule.on_demand import ReadOutsideUnit
 
 VOCAB, SEQ = 12, 5
 

@@ -1,7 +1,7 @@
 """torch.compile on a sharded model (2 gloo ranks), compared with plain torch.
 
 ``torch.compile(model)`` compiles each unit's forward between paramfsm's hooks,
-which Dynamo runs eagerly (see :mod:`paramfsm.engine.compile_guard`);
+which Dynamo runs eagerly (see :mod:`paramfsm.engine.events.compile_guard`);
 compiling each block instead, as torchtitan does, is the recipe the README
 gives. Both train like plain torch, without a warning.
 """

@@ -19,10 +19,10 @@ from torch.utils.checkpoint import checkpoint
 import paramfsm
 from paramfsm import CollectiveTimeout, IllegalTransition, RankDesync
 from paramfsm.cli import main as cli
-from paramfsm.core.trace import Trace
 from paramfsm.core.replay import replay
-from paramfsm.engine import graph_task as gt
-from paramfsm.engine.events import POST_FORWARD, Event
+from paramfsm.core.trace import Trace
+from paramfsm.engine.events import graph_task as gt
+from paramfsm.engine.events.events import POST_FORWARD, Event
 from paramfsm.launch import RankPool
 from paramfsm.testing.models import mlp
 
@@ -206,7 +206,7 @@ def test_a_skipped_step_raises_rank_desync(ranks2, debug):
 
 def test_dumps_stop_at_the_cap_and_skip_when_nothing_is_new(tmp_path, monkeypatch, caplog):
     from paramfsm.core.fsm import Lifetime, StepContext, default_table, step
-    from paramfsm.engine.flight import MAX_DUMPS, FlightRecorder
+    from paramfsm.engine.schedule.flight import MAX_DUMPS, FlightRecorder
 
     monkeypatch.setenv("PARAMFSM_TRACE_DIR", str(tmp_path))
     trace = Trace(0, limit=16)

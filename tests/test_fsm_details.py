@@ -13,9 +13,9 @@ import json
 import pytest
 
 from paramfsm.core.fsm import HISTORY, Lifetime, StepContext, compile_table, default_table, ext_class, step
+from paramfsm.core.replay import replay
 from paramfsm.core.spec import State, load_spec
 from paramfsm.core.trace import Trace, TraceRecord
-from paramfsm.core.replay import replay
 from paramfsm.errors import IllegalTransition
 
 TABLE = default_table()
@@ -207,7 +207,7 @@ def test_perfetto_instant_names_join_effects(tmp_path):
 def test_buffer_checks_say_what_is_wrong():
     import torch
 
-    from paramfsm.engine.kernels.layout import check_buffer, shard_layout
+    from paramfsm.engine.effects.kernels.layout import check_buffer, shard_layout
 
     layout = shard_layout((5, 3), 2)
     with pytest.raises(ValueError, match=r"shard_numels \(2, 2\) do not match ceil\(numel / 2\) of the given "

@@ -1,4 +1,4 @@
-"""[Note: a large parameter is gathered in place] (paramfsm.engine.gathers).
+"""[Note: a large parameter is gathered in place] (paramfsm.engine.effects.gathers).
 
 A parameter of at least PERSISTENT_BYTES whose size divides by the world is
 all-gathered straight into its full tensor; the rest of its bucket (small or
@@ -16,7 +16,7 @@ import torch
 from patterns_common import Pair, batch
 from torch import nn
 
-from paramfsm.engine import gathers
+from paramfsm.engine.effects import gathers
 from paramfsm.errors import RankDesync
 
 BIG = 128  # Linear(128, 128): a 64 KiB weight (in place at world 2), a 512-byte bias (packed)

@@ -12,7 +12,7 @@ from functools import partial
 import pytest
 import torch
 
-from paramfsm.engine.streams import GATHER, REDUCE, DeviceStreams, streams_for
+from paramfsm.engine.effects.streams import GATHER, REDUCE, DeviceStreams, streams_for
 from paramfsm.launch import RankPool
 from paramfsm.testing.scenarios import two_loss_job
 

@@ -8,7 +8,7 @@ import torch
 from patterns_common import Pair, batch
 from torch import nn
 
-from paramfsm.engine.events import POST_BACKWARD, PRE_BACKWARD
+from paramfsm.engine.events.events import POST_BACKWARD, PRE_BACKWARD
 
 
 def grad_queue_job(rank, world):

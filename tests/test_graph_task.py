@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from paramfsm.engine import graph_task as gt
+from paramfsm.engine.events import graph_task as gt
 
 
 def test_private_api_present_on_this_torch():

@@ -16,9 +16,11 @@ from torch import nn
 
 import paramfsm
 from paramfsm import State
-from paramfsm.engine.collectives import GLOO_ALL_REDUCE_BYTES, _ViaAllReduce, all_gather_flat, reduce_scatter_flat
-from paramfsm.engine.exchange import Exchange
-from paramfsm.engine.events import GRAPH_FREED
+from paramfsm.engine.effects.collectives import (
+    GLOO_ALL_REDUCE_BYTES, _ViaAllReduce, all_gather_flat, reduce_scatter_flat,
+)
+from paramfsm.engine.effects.exchange import Exchange
+from paramfsm.engine.events.events import GRAPH_FREED
 from paramfsm.testing import Reference, assert_close_dicts, rank_slice, sharded_grads
 
 _FLOATS = GLOO_ALL_REDUCE_BYTES // 4  # float32 elements of an input exactly at the threshold
@@ -287,7 +289,7 @@ def fresh_groups_job(rank, world):
     pattern): every new group's exchanges start from tag 0 and its results are right."""
     import torch.distributed as dist
 
-    from paramfsm.engine import exchange
+    from paramfsm.engine.effects import exchange
 
     rows = []
     for round_ in range(6):
@@ -331,7 +333,7 @@ def small_units_job(rank, world):
         assert_close_dicts(sharded_grads(rt, model), ref.grads(), what=f"grads, step {step}")
         opt.step()
         ref.optimizer.step()
-    buckets = (len(rt.scheduler.fwd_plan.buckets), len(rt.scheduler.bwd_plan.buckets))
+    buckets = (len(rt.scheduler.prefetch.fwd_plan.buckets), len(rt.scheduler.prefetch.bwd_plan.buckets))
     rt.close()
     return counts, buckets
 

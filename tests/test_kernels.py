@@ -24,8 +24,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import paramfsm.engine.kernels as kernels
-from paramfsm.engine.kernels import ShardLayout, cupy_impl, shard_layout, torch_impl
+import paramfsm.engine.effects.kernels as kernels
+from paramfsm.engine.effects.kernels import ShardLayout, cupy_impl, shard_layout, torch_impl
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL_DIR = Path(cupy_impl.__file__).parent

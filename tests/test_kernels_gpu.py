@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-import paramfsm.engine.kernels as kernels
-from paramfsm.engine.kernels import cupy_impl, shard_layout, torch_impl
+import paramfsm.engine.effects.kernels as kernels
+from paramfsm.engine.effects.kernels import cupy_impl, shard_layout, torch_impl
 
 pytestmark = [
     pytest.mark.gpu,

@@ -76,12 +76,43 @@ def verify_forbids(name: str) -> bool:
     return _top(name) == "testing"
 
 
-FORBIDS = {"core": core_forbids, "engine": engine_forbids, "verify": verify_forbids}
+def _room(name: str) -> str | None:
+    """``paramfsm.engine.R...`` -> ``R`` (one of :data:`ROOMS`); anything else -> None."""
+    parts = name.split(".")
+    return parts[2] if parts[:2] == ["paramfsm", "engine"] and len(parts) > 2 else None
+
+
+#: The engine's rooms and the rooms each may import besides itself (the core and errors always).
+#: The schedule steps the FSM and drives the rest; effects run what it asks on the storage; events only
+#: emit (see paramfsm/engine/__init__.py).
+ROOMS = {"events": (), "schedule": ("events", "effects", "storage"), "effects": ("storage",), "storage": ()}
+
+
+def room_forbids(room: str):
+    """The rule of one engine room: the engine's own rule, plus only the rooms :data:`ROOMS` allows."""
+    allowed = (room, *ROOMS[room])
+
+    def forbids(name: str) -> bool:
+        if engine_forbids(name):
+            return True
+        if _top(name) != "engine":
+            return False
+        return _room(name) not in allowed
+    return forbids
+
+
+FORBIDS = {"core": core_forbids, "engine": engine_forbids, "verify": verify_forbids,
+           **{f"engine/{room}": room_forbids(room) for room in ROOMS}}
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDS))
 def test_layer_imports_only_downwards(layer):
     assert _violations(layer, FORBIDS[layer]) == []
+
+
+def test_every_engine_module_is_in_a_room():
+    loose = [path.name for path in (PACKAGE / "engine").glob("*.py") if path.name != "__init__.py"]
+    assert loose == [], "modules of paramfsm/engine/ belong in one of its rooms: " + ", ".join(ROOMS)
 
 
 def test_the_check_sees_violations(tmp_path, monkeypatch):
@@ -95,7 +126,16 @@ def test_the_check_sees_violations(tmp_path, monkeypatch):
                         ("engine", "from paramfsm.verify import faults"),
                         ("engine", "def f():\n    from paramfsm import runtime\n"),
                         ("verify", "from paramfsm.testing import models"),
-                        ("verify", "def f():\n    import paramfsm.testing.subjects\n")]:
+                        ("verify", "def f():\n    import paramfsm.testing.subjects\n"),
+                        ("engine/events", "from paramfsm.engine.schedule.plan import PassState"),
+                        ("engine/events", "from paramfsm.engine.storage import partitioned"),
+                        ("engine/effects", "from paramfsm.engine.schedule import grad_order"),
+                        ("engine/effects", "def f():\n    from paramfsm.engine.events import hooks\n"),
+                        ("engine/storage", "from paramfsm.engine.schedule.on_demand import gather"),
+                        ("engine/storage", "import paramfsm.engine.effects.kernels"),
+                        ("engine/storage", "from paramfsm.engine.events import hooks"),
+                        ("engine/schedule", "from paramfsm import runtime"),
+                        ("engine/schedule", "from paramfsm.engine import nowhere")]:
         (fake / layer).mkdir(parents=True, exist_ok=True)
         (fake / layer / "bad.py").write_text(line + "\n")
         monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
@@ -108,11 +148,19 @@ def test_core_may_import_errors_and_itself():
     assert not core_forbids("paramfsm.core.spec")
     assert not core_forbids("attrs")
     assert not engine_forbids("paramfsm.core.fsm")
-    assert not engine_forbids("paramfsm.engine.kernels")
+    assert not engine_forbids("paramfsm.engine.effects.kernels")
+
+
+def test_rooms_may_import_what_they_stand_on():
+    assert not room_forbids("schedule")("paramfsm.engine.effects.executor")
+    assert not room_forbids("schedule")("paramfsm.engine.events.events")
+    assert not room_forbids("effects")("paramfsm.engine.storage.units")
+    assert not room_forbids("storage")("paramfsm.core.fsm")
+    assert not room_forbids("events")("paramfsm.engine.events.graph_task")
 
 
 def test_verify_may_import_the_facade_and_below():
-    for name in ("paramfsm.runtime", "paramfsm.launch", "paramfsm.engine.units", "paramfsm.core.trace",
+    for name in ("paramfsm.runtime", "paramfsm.launch", "paramfsm.engine.storage.units", "paramfsm.core.trace",
                  "paramfsm.verify.faults", "hypothesis"):
         assert not verify_forbids(name), name
 

@@ -3,7 +3,7 @@
 A mixture of experts made one unit (``units=[MoE]``), with data-dependent
 routing: one expert gets tokens on rank 0 only, one on no rank at all. Every
 rank reduce-scatters the unit's parameters in the unit's order, zeros for
-the ones it has no gradient for (see :mod:`paramfsm.engine.grad_order`), so
+the ones it has no gradient for (see :mod:`paramfsm.engine.schedule.grad_order`), so
 the ranks stay paired and the result is plain torch's: the expert no rank
 used keeps ``grad`` None.
 """
@@ -139,7 +139,7 @@ def test_expert_skipped_across_units_names_the_module_to_merge(ranks2):
 class CheckpointedMLP(nn.Module):
     """One unit whose layers run under reentrant activation checkpointing, beside a gate that does not:
     the layers' gradients are accumulated by the nested backward the checkpoint runs, after the unit's
-    own backward began (see [Note: late gradients] in paramfsm.engine.grad_order)."""
+    own backward began (see [Note: late gradients] in paramfsm.engine.schedule.grad_order)."""
 
     def __init__(self):
         super().__init__()
@@ -187,7 +187,7 @@ def reentrant_inside_unit_job(rank, world, bucket_bytes):
     pytest.param(None, marks=pytest.mark.xfail(
         strict=True, raises=RankFailure,
         reason="with the default bucket_bytes the zero-filled and the late gradient of a checkpointed "
-               "parameter meet in one pending reduce bucket: KeyError in grad_order.add_flags")),
+               "parameter meet in one pending reduce bucket: KeyError in grad_flags.add_flags")),
 ])
 def test_reentrant_checkpointing_inside_a_unit_keeps_its_gradients(ranks2, bucket_bytes):
     """``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` inside one unit: the checkpointed

@@ -9,16 +9,22 @@ import pytest
 from paramfsm import amp, checkpoint, full_state, gathered, grad_norm
 from paramfsm.core import replay
 from paramfsm.core.trace import Trace
-from paramfsm.engine import events, executor, graph_task, hooks
-from paramfsm.engine.executor import Executor
-from paramfsm.engine.grad_sync import UnsyncedGrads
-from paramfsm.engine.higher_order import SecondOrderEntry
-from paramfsm.engine.scheduler import Scheduler
-from paramfsm.engine.shard_writes import ShardWrites
-from paramfsm.verify import faults
+from paramfsm.engine.effects import executor
+from paramfsm.engine.effects.executor import Executor
+from paramfsm.engine.effects.grad_sync import UnsyncedGrads
+from paramfsm.engine.events import events, graph_task, hooks
+from paramfsm.engine.events.higher_order import SecondOrderEntry
+from paramfsm.engine.schedule.backward import GraphTasks
+from paramfsm.engine.schedule.deferral import Deferral
+from paramfsm.engine.schedule.grad_order import GradRouting
+from paramfsm.engine.schedule.on_demand import OnDemand
+from paramfsm.engine.schedule.prefetch import Prefetch
+from paramfsm.engine.schedule.scheduler import Scheduler
+from paramfsm.engine.schedule.shard_writes import ShardWrites
 from paramfsm.testing.mutants import format_table, main, run_catalogue, trace_check
-from paramfsm.verify.reproduction import run_saved
+from paramfsm.verify import faults
 from paramfsm.verify.engine import examples_from_env
+from paramfsm.verify.reproduction import run_saved
 
 #: Programs per fault (and for the baseline) in CI; PARAMFSM_VERIFY_EXAMPLES raises it.
 CI_EXAMPLES = 25
@@ -34,9 +40,13 @@ def test_the_catalogue():
     assert {f.kind for f in faults.CATALOGUE} == {"correctness", "memory", "performance"}
 
 
+def _methods(cls) -> dict:
+    return {name: getattr(cls, name) for name in dir(cls) if not name.startswith("__")}
+
+
 def _patchable():
-    return ({name: getattr(Scheduler, name) for name in dir(Scheduler) if not name.startswith("__")},
-            {name: getattr(Executor, name) for name in dir(Executor) if not name.startswith("__")},
+    return ([_methods(cls) for cls in (Scheduler, GraphTasks, Deferral, Prefetch, GradRouting, OnDemand)],
+            _methods(Executor),
             hooks._post_forward, events.ForwardCall.__del__, graph_task.queue_final_callback,
             executor.reduce_scatter_flat, dict(vars(amp.GradScaler)), grad_norm.clip_grad_norm_,
             checkpoint._flat_dtensor, vars(SecondOrderEntry)["backward"], full_state.load_full_state_dict,

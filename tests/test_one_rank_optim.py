@@ -1,7 +1,7 @@
 """Optimizer mapping and higher-order gradients on one rank in the test process, compared with plain torch.
 
 The same public API as the spawned tests of :mod:`paramfsm.optim` and
-:mod:`paramfsm.engine.higher_order`, run on a world-1 gloo group in the
+:mod:`paramfsm.engine.events.higher_order`, run on a world-1 gloo group in the
 pytest process (:mod:`one_rank`) so that ``make mutate`` reaches them. The
 gradient-penalty jobs of ``test_patterns_higher_order.py`` run here as rank 0
 of a world of 1.
@@ -19,7 +19,7 @@ from torch import nn
 
 import paramfsm
 import paramfsm.amp
-from paramfsm.engine import higher_order
+from paramfsm.engine.events import higher_order
 from paramfsm.errors import ParamFSMError
 from paramfsm.optim import OptimizerStateMismatch, map_optimizer
 from paramfsm.testing import Reference, assert_close_dicts, sharded_params

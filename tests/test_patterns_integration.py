@@ -148,7 +148,7 @@ def mixed_precision_job(rank, world, reduce_dtype):
     assert all(v.dtype == torch.float32 for state in opt.state.values() for v in state.values()
                if isinstance(v, torch.Tensor) and v.dim())
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}, "empty placeholders use the compute dtype"
-    assert rt.scheduler.last_audit == []
+    assert rt.scheduler.audit.last == []
     plain = rt.close()
     assert {p.dtype for p in plain.parameters()} == {torch.float32}
     return worst
@@ -282,7 +282,7 @@ def dcp_load_job(rank, world, path, saved):
     assert_close_dicts({n: rt.full_param(n) for n, _ in model.named_parameters()},
                        {n: p.detach() for n, p in ref.named_parameters()}, atol=1e-5,
                        what=f"step after reloading on {world} rank(s)")
-    assert rt.scheduler.last_audit == []
+    assert rt.scheduler.audit.last == []
     rt.close()
     return True
 

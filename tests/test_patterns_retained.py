@@ -140,7 +140,7 @@ def bounded_job(rank, world, bound):
             pair.check_grads(f"step {step} backward {i}")
         pair.step(f"step {step}")
     report = pair.finish()
-    report.update(peak=rt.scheduler.peak_deferred_bytes, total=total)
+    report.update(peak=rt.scheduler.deferral.peak_bytes, total=total)
     return report
 
 

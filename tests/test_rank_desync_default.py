@@ -6,7 +6,7 @@ rank's loss reads a different output head, and a unit applied a different
 number of times per rank. Each happens at the first step (every batch of
 exchanges agrees its header first) and at a later one, once the steps
 repeat and their exchanges move without headers (see [Note: a repeating
-sequence needs no header] in paramfsm.engine.rankcheck). Each rank catches
+sequence needs no header] in paramfsm.engine.effects.rankcheck). Each rank catches
 its error, so the test asserts both ranks' messages, then checks the ranks
 are in step again: the same runtime recovers and closes, a plain all-reduce
 works, and a new runtime trains. A program whose data-dependent branch is

@@ -51,14 +51,14 @@ def multi_loss_job(rank, world, retain, n_losses, use_rt_backward, steps, tied=F
             keep = i < n_losses - 1
             opt.zero_grad()
             ref.zero_grad()
-            gathers, tasks, first = rt.counters["all_gathers"], rt.scheduler.tasks_begun, len(rt.trace)
+            gathers, tasks, first = rt.counters["all_gathers"], rt.scheduler.graph.tasks_begun, len(rt.trace)
             if use_rt_backward:
                 rt.backward(loss, retain_graph=keep)
             else:
                 loss.backward(retain_graph=keep)
             report["gathers_per_backward"].append(rt.counters["all_gathers"] - gathers)
             report["tasks_per_backward"].append(
-                (rt.scheduler.tasks_begun - tasks,
+                (rt.scheduler.graph.tasks_begun - tasks,
                  len({r.graph_task for r in rt.trace.records[first:] if r.graph_task >= 0})))
             expected = State.DEFERRED_RELEASE if keep and retain == "defer" else State.NOT_AVAILABLE
             states = rt.states()
@@ -73,7 +73,7 @@ def multi_loss_job(rank, world, retain, n_losses, use_rt_backward, steps, tied=F
         report["param_err"] = max(report["param_err"], err)
     problem = replay(rt.trace.records, default_table())
     assert problem is None, str(problem)
-    assert rt.scheduler.last_audit == []
+    assert rt.scheduler.audit.last == []
     rt.close()
     return report
 
@@ -167,7 +167,7 @@ def bounded_job(rank, world, bound):
     l2.backward()
     r2.backward()
     assert_close_dicts(sharded_grads(rt, model), ref.grads(), atol=1e-6)
-    return rt.scheduler.peak_deferred_bytes, sum(rt.record(n).nbytes for n, _ in model.named_parameters())
+    return rt.scheduler.deferral.peak_bytes, sum(rt.record(n).nbytes for n, _ in model.named_parameters())
 
 
 def test_max_deferred_bytes_bounds_memory(ranks2):

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import paramfsm
-from paramfsm.engine import rankcheck
-from paramfsm.engine.audit import LeakError
+from paramfsm.engine.effects import rankcheck
+from paramfsm.engine.schedule.audit import LeakError
 from paramfsm.testing import Reference, assert_close_dicts, rank_slice, sharded_grads, sharded_params
 from paramfsm.testing.models import TinyTransformer
 
@@ -108,7 +108,7 @@ def leak_job(rank, world):
     rt = paramfsm.shard(model, strict=True)
     tokens = torch.randint(0, VOCAB, (2, SEQ))
     model(tokens).pow(2).mean().backward()
-    assert rt.scheduler.last_audit == []
+    assert rt.scheduler.audit.last == []
     out = model(tokens)
     unit = rt.units[-1]
     rt.scheduler._step_all(unit.records, "fetch")  # a holder that nobody will release: a real leak

@@ -15,9 +15,9 @@ from functools import partial
 import pytest
 import torch
 
-from paramfsm.engine import executor as executor_module
-from paramfsm.engine.executor import MAX_REDUCES_IN_FLIGHT
-from paramfsm.engine.streams import GATHER, REDUCE, HostStreams, RecordingStreams, streams_for
+from paramfsm.engine.effects import executor as executor_module
+from paramfsm.engine.effects.executor import MAX_REDUCES_IN_FLIGHT
+from paramfsm.engine.effects.streams import GATHER, REDUCE, HostStreams, RecordingStreams, streams_for
 from paramfsm.launch import RankFailure
 from paramfsm.testing.scenarios import two_loss_job
 

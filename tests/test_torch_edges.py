@@ -291,7 +291,7 @@ def freeze_job(rank, world, direction):
         _train_step(step, rank, world, model, opt, ref.model, ref_opt)
         worst = max(worst, assert_close_dicts(sharded_params(rt, model), ref.params(), atol=1e-5,
                                               what=f"{direction} step {step}"))
-    assert rt.scheduler.last_audit == []
+    assert rt.scheduler.audit.last == []
     moved = not torch.equal(rt.full_param("blocks.1.up.weight"), _model().blocks[1].up.weight.detach())
     rt.close()
     return worst, moved

@@ -9,7 +9,7 @@ from torch import nn
 
 import paramfsm
 from paramfsm import State
-from paramfsm.engine.units import build_units, select_unit_modules
+from paramfsm.engine.storage.units import build_units, select_unit_modules
 
 
 class Tower(nn.Module):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paramfsm import grad_norm
-from paramfsm.engine.plan import Plan
+from paramfsm.engine.schedule.plan import Plan
 from paramfsm.errors import ParamFSMError
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 import paramfsm
 from paramfsm import State
-from paramfsm.engine.on_demand import ReadOutsideUnit
+from paramfsm.engine.schedule.on_demand import ReadOutsideUnit
 from paramfsm.errors import UnsyncedGradients
 from paramfsm.launch import RankFailure, RankPool
 from paramfsm.testing.models import mlp

@@ -16,16 +16,16 @@ from hypothesis import HealthCheck, given, settings
 
 import paramfsm
 from paramfsm.verify import faults
+from paramfsm.verify.engine import probe, verify
 from paramfsm.verify.mirror import Mirror
 from paramfsm.verify.ops import (
-    Backward, Checkpoint, Clip, Config, Drop, Forward, FullState, Loss, Overflow, Program, RequiresGrad, Step,
-    Unscale, ZeroGrad,
+    Backward, Checkpoint, Clip, Config, Drop, Forward, FullState, Loss, Overflow, Program, RequiresGrad, Step, Unscale,
+    ZeroGrad,
 )
 from paramfsm.verify.programs import programs
 from paramfsm.verify.reproduction import render
 from paramfsm.verify.runner import Options, run_program
 from paramfsm.verify.subject import global_batch, load_subject, split
-from paramfsm.verify.engine import probe, verify
 
 SUBJECTS = "paramfsm.testing.subjects:"
 FP16 = Config(param_dtype="float16")
@@ -156,7 +156,7 @@ def test_verify_kills_a_training_fault_at_world_3(ranks3):
 
 def test_a_retained_backward_through_reentrant_blocks(ranks2):
     """Once found by verify: a retained backward through reentrant blocks deferred their parameters
-    with no live graph (see [Note: what a recomputation defers] in paramfsm.engine.backward)."""
+    with no live graph (see [Note: what a recomputation defers] in paramfsm.engine.schedule.backward)."""
     ops = (Forward(0, 0, "reentrant"), Loss(0, 0, 0, 1), Backward(0, True, False), Backward(0, False, False),
            Drop(0, (0,)))
     _passes(_outcomes(ranks2, "branchy_lm", Program(Config(), ops)))

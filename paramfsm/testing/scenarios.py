@@ -1,7 +1,7 @@
 """The seed loop as a rank job on any device: two losses, one retained graph, against plain torch.
 
 ``two_loss_job`` is what the stream tests (CPU, with
-:class:`~paramfsm.engine.streams.RecordingStreams`), the GPU tests and
+:class:`~paramfsm.engine.effects.streams.RecordingStreams`), the GPU tests and
 ``make gpu-check`` all run: every rank trains a small transformer for a few
 steps with ``zero_grad(); l1.backward(retain_graph=True); zero_grad();
 l2.backward(); step()`` and compares every gradient and every parameter with an
@@ -43,7 +43,7 @@ def force_collectives(rt) -> None:
     NCCL, the gather and reduce streams. Call it before the first forward.
     """
     rt.executor.local = False
-    rt.scheduler.planning = True
+    rt.scheduler.prefetch.planning = True
 
 
 def two_loss_job(rank, world, device="cpu", retain="defer", steps=3, *, streams=None, collectives=False,
@@ -51,7 +51,7 @@ def two_loss_job(rank, world, device="cpu", retain="defer", steps=3, *, streams=
     """Train, compare with plain torch after every backward and step; return errors and counts.
 
     ``streams``: a stream set to put in the executor before the first forward
-    (e.g. a :class:`~paramfsm.engine.streams.RecordingStreams`); it comes back
+    (e.g. a :class:`~paramfsm.engine.effects.streams.RecordingStreams`); it comes back
     in the report as ``"stream_set"`` for the caller to inspect, while
     ``"streams"`` always names the class in use. ``collectives``:
     see :func:`force_collectives` (for one rank).
@@ -92,7 +92,7 @@ def two_loss_job(rank, world, device="cpu", retain="defer", steps=3, *, streams=
         report["param_err"] = max(report["param_err"], err)
     problem = replay(rt.trace.records, default_table())
     assert problem is None, str(problem)
-    assert rt.scheduler.last_audit == [], rt.scheduler.last_audit
+    assert rt.scheduler.audit.last == [], rt.scheduler.audit.last
     assert set(rt.states().values()) == {paramfsm.State.NOT_AVAILABLE}, rt.states()
     report["all_gathers"] = rt.counters["all_gathers"]
     if streams is not None:

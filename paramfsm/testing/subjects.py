@@ -197,7 +197,7 @@ def experts_lm() -> Subject:
     """The subject of the catalogue's faults about missing gradients and reads outside a unit."""
     import warnings
 
-    from paramfsm.engine.on_demand import ReadOutsideUnit
+    from paramfsm.engine.schedule.on_demand import ReadOutsideUnit
 
     warnings.filterwarnings("ignore", category=ReadOutsideUnit)  # the read is this subject's point
     return Subject(ExpertsLM(), token_batch, lm_loss, units=[TokenExperts, nn.Embedding, nn.LayerNorm])

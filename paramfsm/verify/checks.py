@@ -21,9 +21,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from paramfsm.core.spec import State
 from paramfsm.core.replay import replay
-from paramfsm.engine.placeholder import storage
+from paramfsm.core.spec import State
+from paramfsm.engine.storage.placeholder import storage
 
 
 def _data_empty(rec) -> str | None:
@@ -100,7 +100,7 @@ def at_rest(rt, graph_alive: bool, retain: str, released_by: str = "") -> list[s
     """
     problems = []
     # Units a forward keeps for its backward (reshard_after_forward, the root by default) while its graph lives.
-    kept = {rec for unit in rt.scheduler.forward_holds.values() for rec in unit.records} if graph_alive else set()
+    kept = {rec for unit in rt.scheduler.holds.kept.values() for rec in unit.records} if graph_alive else set()
     for rec in records(rt):
         state = rec.state
         if state is State.INFLIGHT:

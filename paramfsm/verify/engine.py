@@ -40,18 +40,18 @@ from hypothesis import HealthCheck, Phase, Verbosity, example, given, reject, se
 from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import Unsatisfiable
 
-from paramfsm.engine.units import select_unit_modules
-from paramfsm.engine.unsupported import refuse_unsupported
+from paramfsm.engine.storage.units import select_unit_modules
+from paramfsm.engine.storage.unsupported import refuse_unsupported
 from paramfsm.launch import RankFailure, RankPool
 from paramfsm.verify.faults import FAULTS
 from paramfsm.verify.mirror import blocks_of
 from paramfsm.verify.programs import Config, Program, Shape, canonical, programs
 from paramfsm.verify.reproduction import render
 from paramfsm.verify.runner import Options, Outcome, run_program
-from paramfsm.verify.user_loop_intents import learn
 from paramfsm.verify.subject import (
     FactoryError, Subject, describe, first_tensor, global_batch, import_root, load_subject, split, user_frame,
 )
+from paramfsm.verify.user_loop_intents import learn
 
 __all__ = ["verify", "verify_model", "VerificationFailed", "Report", "Finding", "Progress", "Subject",
            "FactoryError", "load_subject", "examples_from_env"]

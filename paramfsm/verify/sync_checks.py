@@ -50,7 +50,7 @@ def kept_without_sync(op_kind: str, syncing: bool, before: Mapping, after: Mappi
 
 def graphs_of(rt) -> dict:
     """Unit -> its live graph count, for the units ``reshard_after_forward`` keeps (taken before a forward)."""
-    return {unit: unit.live_graphs for unit in sorted(rt.scheduler.keep_after_forward, key=lambda u: u.index)}
+    return {unit: unit.live_graphs for unit in sorted(rt.scheduler.holds.keep_after_forward, key=lambda u: u.index)}
 
 
 def kept_after_forward(rt, before: Mapping) -> list[str]:
@@ -59,7 +59,7 @@ def kept_after_forward(rt, before: Mapping) -> list[str]:
     ``before``: :func:`graphs_of` taken before the forward; a unit whose live
     graph count grew ran a forward that recorded a graph.
     """
-    held = set(rt.scheduler.forward_holds.values())
+    held = set(rt.scheduler.holds.kept.values())
     return [f"unit '{unit.name}' is kept after forward (reshard_after_forward) but its forward's hold was "
             "released: its backward gathers it again"
             for unit, count in before.items() if unit.live_graphs > count and unit not in held]
@@ -70,4 +70,4 @@ def nothing_kept(rt, what: str) -> list[str]:
     no unit is held for a backward, since none can come and a new forward released the older holds."""
     return [f"unit '{unit.name}' is still held for a backward after {what}, which records no graph: its "
             "parameters leak until the next forward"
-            for unit in dict.fromkeys(rt.scheduler.forward_holds.values())]
+            for unit in dict.fromkeys(rt.scheduler.holds.kept.values())]

@@ -10,11 +10,12 @@ reshard checks (:mod:`paramfsm.verify.sync_checks`).
 from __future__ import annotations
 
 import contextlib
-import weakref
 
-from paramfsm.engine import graph_task
-from paramfsm.engine.grad_sync import UnsyncedGrads
-from paramfsm.engine.scheduler import Scheduler
+from paramfsm.engine.effects.grad_sync import UnsyncedGrads
+from paramfsm.engine.events import graph_task
+from paramfsm.engine.schedule.backward import GraphTasks
+from paramfsm.engine.schedule.grad_order import GradRouting
+from paramfsm.engine.schedule.scheduler import Scheduler
 from paramfsm.verify.faults.patching import patched
 
 
@@ -32,27 +33,31 @@ def kept_grad_not_folded():
 def sync_read_at_forward():
     """Whether a backward synchronises is decided by the switch in force at the forward (as DDP reads it),
     not at the backward: toggling ``rt.set_requires_gradient_sync`` between the two is ignored."""
-    at_forward: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    at_forward: dict = {}  # the gradient routing -> its switch at the last root forward
 
     def forward_begin(original):
         def _on_forward_begin(self, ev):
             original(self, ev)
             if ev.graph_task == graph_task.NO_TASK:
-                at_forward[self] = self.sync_grads
+                at_forward[self.grads] = self.grads.sync
         return _on_forward_begin
 
-    def as_at_forward(original):
-        def method(self, *args, **kwargs):
-            now = self.sync_grads
-            self.sync_grads = at_forward.get(self, now)
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                self.sync_grads = now
-        return method
+    def as_at_forward(routing_of):
+        def make(original):
+            def method(self, *args, **kwargs):
+                grads = routing_of(self)
+                now = grads.sync
+                grads.sync = at_forward.get(grads, now)
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    grads.sync = now
+            return method
+        return make
 
     with patched(Scheduler, "_on_forward_begin", forward_begin), \
-            patched(Scheduler, "drain_ready", as_at_forward), patched(Scheduler, "sync_kept", as_at_forward):
+            patched(GraphTasks, "drain_ready", as_at_forward(lambda tasks: tasks._grads)), \
+            patched(GradRouting, "sync_kept", as_at_forward(lambda routing: routing)):
         yield
 
 
@@ -62,8 +67,8 @@ def kept_unit_resharded_after_forward():
     def make(original):
         def _on_post_forward(self, ev):
             original(self, ev)
-            if ev.graph_task == graph_task.NO_TASK and self.forward_holds.pop(id(ev.call), None) is not None:
-                self.release(ev.unit, False)
+            if ev.graph_task == graph_task.NO_TASK:
+                self.holds.hand_over(id(ev.call))
         return _on_post_forward
     return patched(Scheduler, "_on_post_forward", make)
 
@@ -73,8 +78,8 @@ def no_grad_forward_kept_gathered():
     could come: its parameters stay gathered until the next forward."""
     def make(original):
         def _on_post_forward(self, ev):
-            if ev.graph_task == graph_task.NO_TASK and ev.call is None and ev.unit in self.keep_after_forward:
-                self.forward_holds[id(ev.unit)] = ev.unit
+            if ev.graph_task == graph_task.NO_TASK and ev.call is None and ev.unit in self.holds.keep_after_forward:
+                self.holds.kept[id(ev.unit)] = ev.unit
                 return
             original(self, ev)
         return _on_post_forward

@@ -34,11 +34,15 @@ import torch
 import torch.distributed as dist
 
 from paramfsm.core.spec import State
-from paramfsm.engine import events, executor, graph_task, hooks
-from paramfsm.engine.executor import Executor
-from paramfsm.engine.on_demand import OnDemandHandlers
-from paramfsm.engine.partitioned import real_grad, set_real_grad
-from paramfsm.engine.scheduler import Scheduler
+from paramfsm.engine.effects import executor
+from paramfsm.engine.effects.executor import Executor
+from paramfsm.engine.events import events, graph_task, hooks
+from paramfsm.engine.schedule.backward import GraphTasks
+from paramfsm.engine.schedule.deferral import Deferral
+from paramfsm.engine.schedule.on_demand import OnDemand
+from paramfsm.engine.schedule.prefetch import Prefetch
+from paramfsm.engine.schedule.scheduler import Scheduler
+from paramfsm.engine.storage.partitioned import real_grad, set_real_grad
 from paramfsm.verify.faults.accumulation import ACCUMULATION
 from paramfsm.verify.faults.patching import patched as _patched
 from paramfsm.verify.faults.regressions import REGRESSIONS
@@ -79,16 +83,18 @@ def _preprocess_once_per_process():
             done.add(ev.unit)
             original(self, ev)
         return _on_pre_backward
-    return _patched(Scheduler, "_on_pre_backward", make)
+    return _patched(GraphTasks, "_on_pre_backward", make)
 
 
 def _release_in_retained_window():
     def make(original):
-        def _defer(self, rec):
-            original(self, rec)
-            self.executor.free((rec,))
-        return _defer
-    return _patched(Scheduler, "_defer", make)
+        def _effect_runners(self):
+            runners = original(self)
+            defer, free = runners["defer"], runners["free"]
+            runners["defer"] = lambda records: (defer(records), free(records))
+            return runners
+        return _effect_runners
+    return _patched(Scheduler, "_effect_runners", make)
 
 
 @contextlib.contextmanager
@@ -111,13 +117,13 @@ def _once_per_forward_flag():
             original(self, ev)
         return _on_forward_begin
 
-    with _patched(Scheduler, "_on_pre_backward", pre_backward), \
+    with _patched(GraphTasks, "_on_pre_backward", pre_backward), \
             _patched(Scheduler, "_on_forward_begin", forward_begin):
         yield
 
 
 def _deferred_never_flushed():
-    return _patched(Scheduler, "flush", lambda original: lambda self: None)
+    return _patched(Deferral, "flush", lambda original: lambda self: None)
 
 
 def _tied_reduced_twice():
@@ -136,17 +142,17 @@ def _tied_reduced_twice():
 def _release_before_last_holder():
     def make(original):
         def release(self, unit, keep_graph):
-            defer = keep_graph and self.defer_allowed
+            defer = keep_graph and self.allowed
             for rec in unit.records:
                 while rec.holds > 1:
                     self._step(rec, "release", defer)
             original(self, unit, keep_graph)
         return release
-    return _patched(Scheduler, "release", make)
+    return _patched(Deferral, "release", make)
 
 
 def _abandoned_prefetch_left_inflight():
-    return _patched(Scheduler, "_abandon", lambda original: lambda self, plan, passes: None)
+    return _patched(Prefetch, "_abandon", lambda original: lambda self, plan, passes: None)
 
 
 def _no_grad_forward_left_gathered():
@@ -175,7 +181,7 @@ def _deferred_reuse_regathers():
                     self._step(rec, "flush")
             original(self, unit, plan, passes)
         return fetch
-    return _patched(Scheduler, "fetch", make)
+    return _patched(Prefetch, "fetch", make)
 
 
 def _released_data_not_emptied():
@@ -234,10 +240,10 @@ def _on_demand_never_released():
             if reader is None:
                 return
             self._step(ev.record, "demand")  # gathered for the reader, but never borrowed: never released
-            self._issue()
-            self._wait(types.SimpleNamespace(records=(ev.record,)))
+            self._prefetch.issue()
+            self._prefetch.wait(types.SimpleNamespace(records=(ev.record,)))
         return _on_demand
-    return _patched(OnDemandHandlers, "_on_demand", make)
+    return _patched(OnDemand, "_on_demand", make)
 
 
 #: The subject with a mixture of experts made one unit and a read outside a unit.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 
 from paramfsm import accumulation
-from paramfsm.engine.scheduler import Scheduler
+from paramfsm.engine.schedule.grad_order import GradRouting
 from paramfsm.verify.faults.patching import patched
 
 
@@ -28,7 +28,7 @@ def no_sync_exit_enables_sync():
         def no_sync(rt):
             with original(rt):
                 yield
-            rt.scheduler.sync_grads = True
+            rt.scheduler.grads.sync = True
         return no_sync
     return patched(accumulation, "no_sync", make)
 
@@ -38,16 +38,16 @@ def late_grads_dropped():
     backward runs in an outer one are taken off the parameter and dropped: the unit sends zeros for them."""
     def make(original):
         def take_grads(self, records):
-            ts = self.tasks.get(self.ctx.graph_task)
+            ts = self._graph.tasks.get(self._graph._ctx.graph_task)
             if ts is None or ts.depth == 0:
                 original(self, records)
                 return
             late = [rec for rec in records if len(rec.units) == 1 and not ts.open.get(rec.units[0])]
             for rec in late:
-                self.executor.detach_grad(rec)
+                self._executor.detach_grad(rec)
             original(self, [rec for rec in records if rec not in late])
         return take_grads
-    return patched(Scheduler, "take_grads", make)
+    return patched(GradRouting, "take_grads", make)
 
 
 def nested_task_sends_staged():
@@ -56,11 +56,11 @@ def nested_task_sends_staged():
     def make(original):
         def close_task(self, task):
             original(self, task)
-            if self.tasks and self.staged_grads:
-                self.executor.take_ordered(list(self.staged_grads.items()))
+            if self._graph.running() and self.staged_grads:
+                self._executor.take_ordered(list(self.staged_grads.items()))
                 self.staged_grads.clear()
         return close_task
-    return patched(Scheduler, "close_task", make)
+    return patched(GradRouting, "close_task", make)
 
 
 #: The subject whose mixture of experts (one unit) verify runs expert by expert under reentrant

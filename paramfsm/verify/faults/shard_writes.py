@@ -10,7 +10,7 @@ and a new forward of a submodule, and write in place inside ``rt.gathered()``.
 from __future__ import annotations
 
 from paramfsm import gathered
-from paramfsm.engine.shard_writes import ShardWrites
+from paramfsm.engine.schedule.shard_writes import ShardWrites
 from paramfsm.verify.faults.patching import patched
 
 

@@ -26,9 +26,9 @@ from paramfsm import full_state
 from paramfsm.core import replay as replay_module
 from paramfsm.core.fsm import Lifetime, StepContext, default_table, step
 from paramfsm.core.trace import SNAPSHOT, Trace
-from paramfsm.engine import graph_task as gt
-from paramfsm.engine.events import PRE_BACKWARD, Event
-from paramfsm.engine.higher_order import SecondOrderEntry
+from paramfsm.engine.events import graph_task as gt
+from paramfsm.engine.events.events import PRE_BACKWARD, Event
+from paramfsm.engine.events.higher_order import SecondOrderEntry
 from paramfsm.errors import ParamFSMError
 from paramfsm.verify.faults.patching import patched
 

@@ -1,0 +1,401 @@
+"""The rank-order check: every rank's collectives must be the same collectives, or RankDesync is raised.
+
+Every rank runs the same program, so the n-th all-gather of every rank is
+for the same unit at the same step with the same size. When a branch runs
+on one rank only, the ranks pair different collectives. Each gather therefore
+carries a small tag ``(gather number, step, unit index, elements)`` and every
+rank compares the tags of all ranks.
+
+[Note: two ways to carry the tag]
+By default the tag rides inside every all-gather bucket, as an extra
+"parameter" of :data:`TAG_NUMEL` elements per rank holding the tag's bytes
+(values 0..255 are exact in every floating dtype, bf16 included). That costs
+no collective and catches every desync whose paired gathers have the same
+size: identical blocks in a different order, the same bucket fetched from a
+different unit, a unit run at different steps. Collectives of different
+sizes cannot be paired at all: gloo aborts the process ("Received data size
+doesn't match expected size") before any tag could be read, and NCCL may
+hang. That is the usual outcome of a branch one rank skips or repeats, or of
+a loss that reads another output unit on each rank. So, by default on gloo,
+sizes are agreed before anything moves. At world 2 (and for gathers up to
+:data:`~paramfsm.engine.effects.exchange.MAX_WORLD` ranks) every collective is a
+point-to-point exchange, agreed on the exchange threads (see [Note: an
+exchange agrees its sizes first]); a gloo collective (a reduce-scatter beyond
+world 2) is preceded by a blocking header all-gather instead. Either way a
+desync raises RankDesync on every rank at the first differing collective.
+``paramfsm.shard(..., debug=True)`` all-gathers a header on the caller's
+thread before every all-gather and every reduce-scatter, on every backend, at
+the price of one small blocking collective each.
+
+The in-bucket tag is read on the host, so it is used where the buffers are
+CPU tensors; on CUDA only ``debug=True`` checks (a host synchronisation per
+collective is what debugging pays for).
+
+[Note: an exchange agrees its sizes first]
+gloo pairs a receive with whatever the peer sends on its tag, and a longer
+message aborts the process. So on a group that agrees sizes
+(:func:`paramfsm.engine.effects.exchange.agree_sizes`: every group unless turned
+off) a batch of exchanges (one submission, or one ``coalesced`` block) can
+go after a fixed-size int64 :data:`HEADER`: what it moves (kind, exchanges,
+a digest of every message's direction and bytes, bytes per peer, the run it
+announces) and, when the caller names the batch, what it is (the tag). The
+thread sends it to every peer and receives theirs, so every rank holds the
+same rows and reaches the same verdict; it posts the batch only if they
+agree, else nothing moves and the handles raise :class:`Refused` (RankDesync
+in the executor's waits). A row that names nothing (a full-tensor gather) is
+compared on its sizes; its payload's tag checks the rest. The caller never
+waits for a header, but each costs two small messages per peer, and gloo
+charges a message far more than its bytes (about 0.2 ms of CPU per header on
+a loaded 2-core machine): a header on every batch cost 6-11% of a step of 8
+GPT blocks at world 2. Hence runs.
+
+[Note: a repeating sequence needs no header]
+Training repeats one step's collectives, so each group keeps the sequence of
+its batches (:class:`Agreement`, the same on every rank while they agree).
+When a batch's descriptor (kind, unit, elements, the sizes of its messages)
+ends a cycle that repeated the one before it, its header announces a *run*:
+the cycle's batches again, digested into the header. Once the ranks agreed
+on it, each batch of the run moves with no header, shaped as announced: a
+rank whose batch is the announced one posts it (it *follows*); a rank whose
+batch is another (it *deviates*) sends a stand-in of the announced shape
+instead, its messages ending with :data:`MAGIC` and its real header, and
+receives the peer's into scratch. Sizes therefore always match. At the wait,
+a follower reads the end of one message from each peer: a marker means that
+peer deviated (RankDesync on both). A deviator reads its scratch: a peer
+that followed, or deviated to another batch, is a desync; peers that all
+deviated to the same batch ran the same program, and each rank moves the
+real batch again on its own tags (a program that leaves its cycle pays that
+until the run ends). A run ends before a batch whose messages are too short
+for a marker, and its batches are posted only after its header agreed. A
+repeating step of 8 GPT blocks at world 2 sends one header and costs about
+2% over the tag alone (``benchmarks/rank_check_cost.py``).
+
+[Note: after a refusal the ranks restart in step]
+The refused batch has the same first tag on every rank. The thread refuses,
+silently, every later batch of the group's epoch that needs a header, and
+each epoch has its own wire tags, so what one rank posted in the old epoch
+(a run's batches) never meets another epoch's. The first wait that raises
+:class:`Refused` on a rank starts a new epoch: tags restart after the refused
+tag and the history is empty, alike on every rank, so what runs next
+(``rt.reset()``, the next step, a new runtime) pairs again; a wait on an old
+epoch's batch raises :class:`Dropped` at once, which recovery drops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import deque
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+
+from paramfsm.engine.storage.default_units import one_unit
+from paramfsm.errors import ParamFSMError, RankDesync
+
+TAG_FIELDS = ("gather", "step", "unit", "elements")
+_BYTES = 4
+TAG_NUMEL = len(TAG_FIELDS) * _BYTES
+_SHIFTS = torch.tensor([8 * i for i in range(_BYTES)] * len(TAG_FIELDS), dtype=torch.int64)
+
+#: A batch's header, one int64 each: whether the caller named it, the sizes and the run it announces
+#: (always compared), and the caller's fields (compared when every rank named its batch).
+HEADER = ("named", "kind", "exchanges", "digest", "bytes", "run", "prediction", "number", "step", "unit", "elements")
+_SIZES, _NAMED = slice(1, 7), slice(7, 11)
+GATHER, REDUCE = 1, 2  # header kinds
+#: A stand-in message ends with MAGIC and the deviating rank's header: MARK bytes.
+MAGIC = 0x7061_7261_6D66_736D
+MARK = 8 * (1 + len(HEADER))
+_HISTORY = 1 << 13  # batches a group remembers before it starts its history afresh
+
+
+def encode(fields: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """The tag as :data:`TAG_NUMEL` small integers (its little-endian bytes) in ``dtype``."""
+    values = [(f >> (8 * i)) & 0xFF for f in fields for i in range(_BYTES)]
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def decode(rows: torch.Tensor) -> list[tuple[int, ...]]:
+    """Tags of every rank from a ``(world, TAG_NUMEL)`` tensor of encoded tags."""
+    words = (rows.to(torch.int64).cpu() << _SHIFTS).view(rows.shape[0], len(TAG_FIELDS), _BYTES).sum(-1)
+    return [tuple(int(v) for v in row) for row in words]
+
+
+def check_encoded(rows: torch.Tensor, rank: int, unit_names) -> None:
+    """Raise RankDesync unless every rank's encoded tag (one row per rank) is the same."""
+    if bool((rows == rows[:1]).all()):
+        return
+    raise _desync([("all-gather", *tag, "") for tag in decode(rows)], rank, unit_names)
+
+
+def check_header(fields: tuple[int, ...], rank: int, world: int, group, unit_names, what: str,
+                 wait=None) -> None:
+    """A blocking header before the collective ``what`` ("all-gather" or "reduce-scatter"): all-gather its
+    kind and tag alone (fixed size), raise RankDesync unless every rank's is the same. ``wait`` waits for
+    the header's all-gather (a time-limited waiter from the executor)."""
+    from paramfsm.engine.effects.collectives import (
+        all_gather_tags,  # collectives imports the exchange, which imports this
+    )
+
+    header = torch.tensor([_CODES.get(what, 0)] + [f & 0xFFFFFFFF for f in fields], dtype=torch.int64)
+    rows = all_gather_tags(header, world, group, wait)
+    if bool((rows == rows[:1]).all()):
+        return
+    raise _desync([(_KINDS.get(int(row[0]), what), *(int(v) for v in row[1:]), "") for row in rows],
+                  rank, unit_names)
+
+
+def refused(rows: torch.Tensor, rank: int, unit_names, what: str, step: int) -> RankDesync:
+    """The RankDesync of an exchange whose ranks' headers differed (``rows``: one :data:`HEADER` per
+    rank); ``what`` and ``step`` stand for this rank's own collective when its header names none."""
+    described, table = [], rows.tolist()
+    counts, runs = {row[2] for row in table}, {tuple(row[5:7]) for row in table}
+    for named, kind, exchanges, _, nbytes, _, _, number, at, unit, elements in table:
+        extra = f" in {exchanges} exchange{'s' * (exchanges != 1)}" if len(counts) > 1 else ""
+        extra += " (after other collectives than the other ranks')" if len(runs) > 1 else ""
+        kind = _KINDS.get(kind, what)
+        described.append((kind, number, at, unit, elements, extra) if named else (kind, None, step, -1, nbytes, extra))
+    return _desync(described, rank, unit_names, what)
+
+
+_KINDS = {GATHER: "all-gather", REDUCE: "reduce-scatter"}
+_CODES = {name: code for code, name in _KINDS.items()}
+
+
+def _unit_name(index: int, unit_names) -> str:
+    return unit_names[index] if 0 <= index < len(unit_names) else f"#{index}"
+
+
+def _line(row, unit_names) -> str:
+    kind, number, step, unit, elements, extra = row
+    if number is None:
+        return f"{kind} of {elements} bytes per peer that names no unit (a full tensor's gather){extra}"
+    return (f"{kind} #{number} for unit '{_unit_name(unit, unit_names)}' at step {step} "
+            f"({elements} elements per rank){extra}")
+
+
+def _desync(rows: list[tuple], rank: int, unit_names, what: str = "") -> RankDesync:
+    """RankDesync on ``rank`` from every rank's (kind, number or None, step, unit, elements, extra)."""
+    mine = rows[rank]
+    lines = "; ".join(f"rank {r}: {_line(row, unit_names)}" for r, row in enumerate(rows))
+    differing = sorted({rank, *(r for r, row in enumerate(rows) if row != mine)})
+    names = list(dict.fromkeys(_unit_name(row[3], unit_names) for row in rows if row[1] is not None))
+    scope = enclosing_module(names)
+    advice = "" if scope is None else (
+        "if a data-dependent branch runs a module on some ranks only, or more often on some (a mixture of "
+        "experts, an early exit, a loss that reads another output head on each rank), make the module "
+        "enclosing the branch one unit, so every rank gathers and reduces it whole: " + (
+            f"probably '{scope}': paramfsm.shard(model, units={one_unit(scope)}) or units=[its class]" if scope
+            else "here the model itself, which holds " + " and ".join(f"'{n}'" for n in names if n[:1] != "<")
+            + ": paramfsm.shard(model, units=[type(model)])"))
+    unit = _unit_name(mine[3], unit_names) if mine[1] is not None else what
+    return RankDesync(rank=rank, unit=unit, step=mine[2],
+                      detail=f"ranks {differing} issued different collectives ({lines})", advice=advice)
+
+
+def enclosing_module(unit_names) -> str | None:
+    """The module that probably holds the branch between ``unit_names`` (the units the ranks disagree on):
+    the deepest parent of one of them, past ``ModuleList``-style containers (a numeric last name); ``""``
+    (the model itself) when they are its children; None when none is a module (full tensors, the root)."""
+    parents, modules = [], False
+    for name in unit_names:
+        parts = name.split(".") if name and not name.startswith("<") else []
+        modules = modules or bool(parts)
+        if parts and parts.pop().isdigit() and parts:
+            parts.pop()  # an indexed child of a container (ModuleList): the container's owner holds the branch
+        if parts:
+            parents.append(".".join(parts))
+    return max(parents, key=lambda p: p.count("."), default="" if modules else None)
+
+
+# ---------------------------------------------------------------- sizes agreed before anything moves
+class Refused(RuntimeError):
+    """The ranks' headers of a batch differ, so nothing of it moved; ``rows``: every rank's header."""
+
+    def __init__(self, rows: torch.Tensor, epoch: int, restart: int):
+        self.rows, self.epoch, self.restart = rows, epoch, restart
+        super().__init__(f"paramfsm: the ranks' exchanges differ (headers {HEADER}: {rows.tolist()})")
+
+
+class Dropped(ParamFSMError):
+    """An exchange after a refused one: it never moved; this rank raised the desync before."""
+
+    def __init__(self):
+        super().__init__("paramfsm: this collective never ran: the ranks desynced at an earlier one, whose "
+                         "RankDesync this rank raised first. What to do: fix that desync; rt.reset() (or the "
+                         "next forward) drops what was left in flight.")
+
+
+class Entry:
+    """One batch as a group remembers it: ``key`` (what must repeat), ``shape`` (per exchange, its
+    messages as (is a send, bytes, peer's offset from this rank)), ``header``, and ``marks`` once it is
+    announced."""
+
+    __slots__ = ("key", "shape", "header", "marks")
+
+    def __init__(self, key: tuple, shape: tuple, header: list):
+        self.key, self.shape, self.header, self.marks = key, shape, header, None
+
+
+def marks(shape) -> dict:
+    """The message each peer's marker is read from: peer offset -> (exchange, message) of its first
+    receive of at least :data:`MARK` bytes (the same on every rank for one shape)."""
+    found: dict = {}
+    for j, messages in enumerate(shape):
+        for m, (send, nbytes, peer) in enumerate(messages):
+            if not send and nbytes >= MARK and peer not in found:
+                found[peer] = (j, m)
+    return found
+
+
+def agree(rows: list, rank: int) -> bool:
+    """Whether every rank's header (``rows``) agrees with this rank's."""
+    own = rows[rank]
+    return all(row[_SIZES] == own[_SIZES] for row in rows) and (
+        not all(row[0] for row in rows) or all(row[_NAMED] == own[_NAMED] for row in rows))
+
+
+def read_marker(received: torch.Tensor) -> list | None:
+    """The header a stand-in marked ``received`` (a contiguous CPU tensor) with, or None when it holds no
+    marker. Its last bytes are read in place: no tensor op, no copy of the rest."""
+    tail = ctypes.string_at(received.data_ptr() + received.numel() * received.element_size() - MARK, MARK)
+    if int.from_bytes(tail[:8], "little") != MAGIC:
+        return None
+    return [int.from_bytes(tail[i:i + 8], "little", signed=True) for i in range(8, MARK, 8)]
+
+
+class Job:
+    """One exchange: ops ((isend | irecv, tensor, global peer, group, tag), ...), its handle's future and
+    who takes part, (group, rank, kind, peers as (rank, global rank), shape), or None."""
+
+    __slots__ = ("ops", "posted", "group", "rank", "kind", "peers", "shape", "batch", "checks")
+
+    def __init__(self, ops, who):
+        self.ops, self.posted, self.batch, self.checks = ops, Future(), None, ()
+        self.group, self.rank, self.kind, self.peers, self.shape = (
+            who if who is not None else (None, 0, 0, None, None))
+
+
+def post_header(batch, tag: int) -> None:
+    """On the posting thread: send ``batch``'s header to every peer, post the receives of theirs."""
+    batch.rows = torch.empty(len(batch.peers) + 1, len(HEADER), dtype=torch.int64)
+    batch.rows[batch.rank] = header = torch.tensor(batch.header, dtype=torch.int64)
+    try:
+        batch.works = [work for peer, address in batch.peers.items()
+                       for work in (dist.isend(header, address, batch.group, tag),
+                                    dist.irecv(batch.rows[peer], address, batch.group, tag))]
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting callers by the batch's agree()
+        batch.works = exc
+
+
+def rows_of(seen: dict, own: list, otherwise: list, rank: int, world: int) -> torch.Tensor:
+    """Every rank's header: ``own``, a peer's from its marker (``seen``: by peer offset), else ``otherwise``."""
+    rows = [seen.get((r - rank) % world) or otherwise for r in range(world)]
+    rows[rank] = own
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def post_stand_in(batch, tag_of) -> None:
+    """Post a stand-in for ``batch`` (an exchange batch that deviates from its run): the announced
+    shape, zeros whose sends of at least :data:`MARK` bytes end with :data:`MAGIC` and the batch's
+    header, received into scratch; exchange ``j`` on tag ``tag_of(j)``."""
+    mark = torch.tensor([MAGIC, *batch.header], dtype=torch.int64).view(torch.uint8)
+    batch.scratch, batch.works, world = [], [], len(batch.peers) + 1
+    for j, messages in enumerate(batch.expected.shape):
+        batch.scratch.append([])
+        for send, nbytes, peer in messages:
+            buf = torch.zeros(nbytes, dtype=torch.uint8)
+            if send and nbytes >= MARK:
+                buf[-MARK:] = mark
+            batch.scratch[-1].append(buf)
+            post = dist.isend if send else dist.irecv
+            batch.works.append(post(buf, batch.peers[(batch.rank + peer) % world], batch.group, tag_of(j)))
+
+
+def verify(batch, job, timeout, again) -> None:
+    """At the wait of ``job`` of a run's ``batch``: raise Refused if a peer deviated while this rank
+    followed, or the ranks deviated differently; when every rank deviated to this same batch, move the
+    job's own messages again, on tags ``again(tag)``, and wait for them."""
+    world = len(batch.peers) + 1
+    if batch.mode == "follow":
+        seen = {job.shape[m][2]: read_marker(job.ops[m][1]) for m in job.checks}
+        if any(header is not None for header in seen.values()):
+            raise batch.refuse(rows_of(seen, batch.header, batch.header, batch.rank, world))
+        return
+    if batch.verdict is None:
+        for work in batch.works:
+            work.wait() if timeout is None else work.wait(timeout=timeout)
+        seen = {peer: read_marker(batch.scratch[j][m]) for peer, (j, m) in batch.expected.marks.items()}
+        followed = batch.expected.header[:7] + batch.header[7:9] + batch.expected.header[9:]
+        batch.verdict = all(header == batch.header for header in seen.values()) or batch.refuse(
+            rows_of(seen, batch.header, followed, batch.rank, world))
+    if isinstance(batch.verdict, Refused):
+        raise batch.verdict
+    for work in [post(tensor, peer, group, again(tag)) for post, tensor, peer, group, tag in job.ops]:
+        work.wait() if timeout is None else work.wait(timeout=timeout)
+
+
+class Agreement:
+    """One group's batches as the ranks agreed them, and the run announced (see [Note: a repeating
+    sequence needs no header]); also its epoch ([Note: after a refusal the ranks restart in step])."""
+
+    __slots__ = ("on", "epoch", "history", "seen", "run", "anchor")
+
+    def __init__(self):
+        self.on, self.epoch = True, 0
+        self.forget()
+
+    def observe(self, refused: Refused) -> bool:
+        """A wait raised ``refused``: True the first time this rank sees it (a new epoch starts, with no
+        history), False for a batch of an epoch refused before."""
+        if refused.epoch != self.epoch:
+            return False
+        self.epoch += 1
+        self.forget()
+        return True
+
+    def forget(self) -> None:
+        self.history: list[Entry] = []
+        self.seen: dict = {}  # key -> its last two places in history
+        self.run: deque = deque()
+        self.anchor = None  # the batch whose header announced the run
+
+    def place(self, batch, kind: int, shape: tuple, fields) -> tuple[str, Entry | None, list]:
+        """Where ``batch`` stands: ("header", None, header) or, inside a run, ("follow" | "deviate",
+        the announced entry, header)."""
+        digest = hash(shape)  # ints only (peers as offsets from this rank): alike on every rank and process
+        sent = sum(nbytes for messages in shape for send, nbytes, _ in messages if send)
+        named = fields is not None
+        key = (kind, len(shape), digest, *(fields[2:] if named else (-1, -1)))
+        header = [int(named), kind, len(shape), digest, sent, 0, 0, *(fields if named else (-1,) * 4)]
+        if self.run:
+            expected = self.run.popleft()
+            mode = "follow" if expected.key == key else "deviate"
+        else:
+            expected, mode = None, "header"
+            run = self._predict(key)
+            if run:
+                header[5:7] = [len(run), hash(tuple(entry.key for entry in run))]
+                self.run, self.anchor = deque(run), batch
+        places = self.seen.setdefault(key, [])
+        places[:] = places[-1:] + [len(self.history)]
+        self.history.append(Entry(key, shape, header))
+        if len(self.history) >= _HISTORY:
+            self.history, self.seen = [], {}
+        return mode, expected, header
+
+    def _predict(self, key) -> list:
+        """The cycle that ends at ``key`` if it repeated the one before, cut before a batch too short to
+        carry a marker; else nothing."""
+        places = self.seen.get(key, ())
+        if len(places) < 2:
+            return []
+        before, last = places
+        cycle = self.history[last + 1:]
+        if not cycle or [e.key for e in cycle] != [e.key for e in self.history[before + 1:last]]:
+            return []
+        for n, entry in enumerate(cycle):
+            entry.marks = entry.marks or marks(entry.shape)
+            if len(entry.marks) < len({peer for messages in entry.shape for _, _, peer in messages}):
+                return cycle[:n]
+        return cycle

@@ -1,0 +1,74 @@
+"""Holds taken outside a forward or backward: a forward's hold kept for its backward, and ``rt.gathered``.
+
+A unit that ``reshard_after_forward`` keeps (see [Note: a forward's hold kept for its backward] in
+:mod:`paramfsm.engine.schedule.reshard`) keeps its forward's hold, keyed by the forward call, until the
+call's backward takes it over or its graph is freed.
+
+:class:`ForwardHolds` owns both kinds of hold; it releases through the
+deferral's ``release`` it is given.
+"""
+
+from __future__ import annotations
+
+
+class ForwardHolds:
+    """Kept forward holds and ``rt.gathered`` holds; see the module docstring."""
+
+    __slots__ = ("_release", "keep_after_forward", "kept", "outside")
+
+    def __init__(self, release):
+        self._release = release
+        self.keep_after_forward: frozenset = frozenset()  # units whose forward hold is kept (reshard.py)
+        self.kept: dict = {}  # id of the forward call -> unit
+        self.outside: dict = {}  # unit -> holds taken by rt.gathered
+
+    def after_forward(self, unit, call) -> bool:
+        """A root forward of ``unit`` ended: keep its hold for the backward (True), or not."""
+        if call is not None and unit in self.keep_after_forward:
+            self.kept[id(call)] = unit
+            return True
+        return False
+
+    def hand_over(self, call_id: int) -> None:
+        """The call's backward began (or its graph was freed): release the hold its forward kept."""
+        if self.kept:
+            unit = self.kept.pop(call_id, None)
+            if unit is not None:
+                self._release(unit, False)
+
+    def release_all(self) -> None:
+        """Release every kept forward hold."""
+        if self.kept:
+            holds, self.kept = self.kept, {}
+            for unit in holds.values():
+                self._release(unit, False)
+
+    def release_kept(self, units) -> None:
+        """Release the forward holds kept for a backward of any of ``units`` (their shards are written)."""
+        if self.kept:
+            for call, unit in list(self.kept.items()):
+                if unit in units:
+                    del self.kept[call]
+                    self._release(unit, False)
+
+    def take_outside(self, unit) -> None:
+        """``rt.gathered`` holds ``unit`` (the caller fetches it)."""
+        self.release_all()
+        self.outside[unit] = self.outside.get(unit, 0) + 1
+
+    def drop_outside(self, unit) -> None:
+        self.outside[unit] -= 1
+        if not self.outside[unit]:
+            del self.outside[unit]
+        self._release(unit, False)
+
+    def outside_count(self, unit) -> int:
+        return self.outside.get(unit, 0)
+
+    def held_units(self) -> list:
+        """Every unit a hold of this kind keeps gathered (for the leak audit)."""
+        return [*self.outside, *self.kept.values()]
+
+    def reset(self) -> None:
+        self.kept.clear()
+        self.outside.clear()

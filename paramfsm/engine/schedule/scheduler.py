@@ -1,0 +1,278 @@
+"""The scheduler: the one place that turns hook events into FSM steps and effects.
+
+Hooks (``paramfsm.engine.events.hooks``) only emit :class:`Event` objects. The scheduler
+queues them (FIFO), applies each to the parameters of its unit through
+:func:`paramfsm.core.fsm.step`, and hands the returned effects to the
+:class:`~paramfsm.engine.effects.executor.Executor`. Policy lives here and only here:
+prefetch order and buckets (:mod:`paramfsm.engine.schedule.plan`), the retain policy, the
+deferred-bytes bound, per-graph-task bookkeeping, and the leak audit.
+
+The backward handlers live in :mod:`paramfsm.engine.schedule.backward`.
+
+[Note: flushing deferred parameters at a new forward]
+A new root forward (outside backward) flushes every deferred parameter: a
+new iteration begins, and a copy kept for an older retained graph would hold
+memory for a backward that rarely comes. Staleness is not the reason: a
+write to a shard (an optimizer step, a load) drops the copies gathered before
+it wherever it happens (:mod:`paramfsm.engine.schedule.shard_writes`), also between two
+forwards of a submodule that never reach the root. Every rank runs the same
+forwards, so the flush is rank-consistent. It only costs a re-gather for a
+backward over an older retained graph, which is correct (deferral is an
+optimisation).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from functools import partial
+
+from paramfsm.core.fsm import StepContext, step, step_many
+from paramfsm.core.machine import CrossCheckedStep
+from paramfsm.core.spec import State
+from paramfsm.engine.effects.write_back import copy_into_shards
+from paramfsm.engine.events import graph_task as gt
+from paramfsm.engine.events.events import (
+    BACKWARD_END, DEMAND, FLUSH, FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, GRAPH_FREED, PARAM_REACHED,
+    POST_BACKWARD, POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, SHARDS_WRITTEN, WRITTEN_BACK, Event,
+)
+from paramfsm.engine.schedule.audit import LeakAudit
+from paramfsm.engine.schedule.backward import GraphTasks
+from paramfsm.engine.schedule.deferral import Deferral
+from paramfsm.engine.schedule.freezing import apply_requires_grad_changes
+from paramfsm.engine.schedule.grad_order import GradRouting
+from paramfsm.engine.schedule.holds import ForwardHolds
+from paramfsm.engine.schedule.on_demand import OnDemand
+from paramfsm.engine.schedule.prefetch import Prefetch
+from paramfsm.engine.schedule.shard_writes import ShardWrites
+from paramfsm.engine.storage import partitioned
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Applies events to parameter lifetimes; see the module docstring."""
+
+    def __init__(self, table, units, records, executor, *, rank: int, retain: str, prefetch: int,
+                 max_deferred_bytes, bucket_bytes: int, trace=None, strict: bool = False):
+        self.table, self.units, self.records, self.executor = table, units, records, executor
+        self._records = set(records)
+        self.ctx = StepContext(rank, trace)
+        checked = CrossCheckedStep(table.spec, step, step_many) if strict else None
+        self._stepper = checked if strict else step
+        self._stepper_many = checked.many if strict else step_many
+        self.closed = False
+        # The flight recorder's ``failed(exc, reason)`` (paramfsm.engine.schedule.flight), and the training
+        # step given by rt.set_step (None: count root forwards); both set by the runtime.
+        self.on_failure = self.pinned_step = None
+        self._queue: deque = deque()
+        # Parameters whose GRAD_READY is queued: the graph tasks fill it, and it is drained before any event of
+        # another kind is applied ([Note: accumulated gradients are stepped together] in backward.py).
+        self._ready: dict = {}
+        self._draining = False
+        step_one, step_all = self._step, self._step_all
+        self.prefetch = Prefetch(step_one, step_all, executor, units, prefetch=prefetch, bucket_bytes=bucket_bytes)
+        self.deferral = Deferral(step_one, step_all, allowed=retain == "defer", bound=max_deferred_bytes)
+        self.holds = ForwardHolds(self.deferral.release)
+        self.grads = GradRouting(executor, units, step_all)
+        self.audit = LeakAudit(records, self.ctx, self.holds.held_units, self.report_failure, strict=strict)
+        self.graph = GraphTasks(self.ctx, self.emit, step_one, step_all, self._ready, prefetch=self.prefetch,
+                                deferral=self.deferral, holds=self.holds, grads=self.grads,
+                                done=self._after_final_backward)
+        self.grads.attach(self.graph)
+        self.on_demand = OnDemand(self._records, self._accepting, self.emit, step_one, self.prefetch, self.holds)
+        self.on_demand.attach(self.graph)
+        writes = ShardWrites(step_one, self.holds.release_kept)
+        self._effects = self._effect_runners()
+        graph = self.graph
+        self._handlers = {
+            FORWARD_BEGIN: self._on_forward_begin, FORWARD_END: self._on_forward_end,
+            PRE_FORWARD: self.enter_forward, POST_FORWARD: self.leave_forward,
+            PRE_BACKWARD: graph._on_pre_backward, POST_BACKWARD: graph._on_post_backward,
+            GRAD_READY: graph._on_grad_ready, BACKWARD_END: graph._on_backward_end,
+            GRAPH_FREED: graph._on_graph_freed, FLUSH: lambda ev: self.deferral.flush(),
+            FORWARD_FAILED: self._on_forward_failed, DEMAND: self.on_demand._on_demand,
+            SHARDS_WRITTEN: writes.written, WRITTEN_BACK: writes.written_back,
+            PARAM_REACHED: graph._on_param_reached,
+        }
+
+    def _effect_runners(self) -> dict:
+        """Effect name (as the spec writes it) -> what runs it, for a sequence of records."""
+        executor = self.executor
+        return {
+            "start_gather": self.prefetch.start_gather,
+            "unpack": executor.install,
+            "discard_gather": executor.discard,
+            "free": executor.free,
+            "defer": self.deferral.defer_all,
+            "undefer": self.deferral.undefer_all,
+            "reduce_grad": self.grads.take_grads,
+            "keep_grad": executor.unsynced.keep,
+            "sync_grad": executor.unsynced.sync,
+            "write_back": partial(copy_into_shards, executor.rank),
+        }
+
+    # ------------------------------------------------------------------ queue
+    def emit(self, event: Event) -> None:
+        """Queue an event and, unless already draining, apply every queued event in order."""
+        if self._draining:
+            self._queue.append(event)
+            return
+        if self.closed:
+            return
+        self._draining = True
+        try:
+            queue, handlers, ctx, graph, ready = self._queue, self._handlers, self.ctx, self.graph, self._ready
+            if ready and event.kind is not GRAD_READY:
+                graph.drain_ready()
+            ctx.graph_task = event.graph_task
+            handlers[event.kind](event)
+            while queue:
+                ev = queue.popleft()
+                if ready and ev.kind is not GRAD_READY:
+                    graph.drain_ready()
+                ctx.graph_task = ev.graph_task
+                handlers[ev.kind](ev)
+        except BaseException as exc:
+            self._queue.clear()
+            self.graph.clear_ready()
+            if isinstance(exc, Exception):
+                self.report_failure(exc)
+            raise
+        finally:
+            self._draining = False
+
+    def _accepting(self) -> bool:
+        """Whether an event from outside the queue (an on-demand read) may be applied now."""
+        return not (self.closed or self._draining)
+
+    def report_failure(self, exc: BaseException | None, reason: str | None = None):
+        """Hand a failure to the flight recorder (it dumps the trace); returns the dump's path or None."""
+        if self.on_failure is None:
+            return None
+        return self.on_failure(exc, reason)
+
+    # ------------------------------------------------------------------ steps
+    def _step(self, rec, event: str, keep_graph: bool = False, retained: bool = False) -> None:
+        effects = self._stepper(self.table, rec, event, self.ctx, keep_graph, retained)
+        if effects:
+            run, records = self._effects, (rec,)
+            for effect in effects:
+                run[effect](records)
+
+    def _step_all(self, records, event: str, keep_graph: bool = False, retained: bool = False) -> None:
+        """``_step`` for every record of a unit: one table lookup when they share their situation
+        (see [Note: one lookup for a unit] in paramfsm.core.fsm), else one record at a time.
+
+        Every record moves before the effects run, each effect for every record in turn.
+        """
+        if not records:
+            return
+        effects = self._stepper_many(self.table, records, event, self.ctx, keep_graph, retained)
+        if effects is None:
+            for rec in records:
+                self._step(rec, event, keep_graph, retained)
+        elif effects:
+            run = self._effects
+            for effect in effects:
+                run[effect](records)
+
+    # ---------------------------------------------------------------- the root forward
+    def _on_forward_begin(self, ev: Event) -> None:
+        if ev.graph_task != gt.NO_TASK:
+            return  # a forward recomputed inside backward (activation checkpointing)
+        if self.prefetch.in_forward() or self.graph.running():
+            self.recover("the previous forward or backward did not finish (an exception?)")
+        if partitioned.REQUIRES_GRAD_CHANGED:
+            apply_requires_grad_changes(self._records, self.emit)
+        self.deferral.flush()
+        self.holds.release_all()
+        self.ctx.step = self.pinned_step if self.pinned_step is not None else self.ctx.step + 1
+        self.prefetch.begin_forward()
+        self.on_demand.reset()
+
+    def _on_forward_end(self, ev: Event) -> None:
+        if ev.graph_task == gt.NO_TASK:
+            self.prefetch.end_forward()
+
+    def _on_forward_failed(self, ev: Event) -> None:
+        """A root forward raised. Inside backward that is how non-reentrant checkpointing stops a
+        recomputation early (see paramfsm.engine.schedule.backward), not a failure."""
+        if ev.graph_task == gt.NO_TASK:
+            self.report_failure(None, "forward-exception")
+
+    def enter_forward(self, ev: Event) -> None:
+        """``PRE_FORWARD``: note the unit as running (for on-demand reads), then fetch it."""
+        self.on_demand.entered(ev.unit, ev.graph_task)
+        self._on_pre_forward(ev)
+
+    def leave_forward(self, ev: Event) -> None:
+        """``POST_FORWARD``: the unit no longer runs; release it."""
+        self.on_demand.left(ev.unit, ev.graph_task)
+        self._on_post_forward(ev)
+
+    def _on_pre_forward(self, ev: Event) -> None:
+        if ev.graph_task != gt.NO_TASK:
+            self.graph.recompute(ev)
+            return
+        self.prefetch.fetch_forward(ev.unit)
+
+    def _on_post_forward(self, ev: Event) -> None:
+        call = ev.call
+        if call is not None:
+            ev.unit.live_graphs += 1
+        if ev.graph_task == gt.NO_TASK and not self.holds.after_forward(ev.unit, call):
+            self.deferral.release(ev.unit, False)
+        # A recomputation keeps its hold until the unit's backward: see [Note: a forward recomputed ...].
+
+    def _after_final_backward(self) -> None:
+        """The outermost backward that did not keep its graph ended: flush deferred copies, audit leaks."""
+        self.deferral.flush()
+        self.audit.run()
+
+    # ---------------------------------------------------------------- called by the runtime
+    def hold(self, unit) -> None:
+        """Fetch a unit for use outside forward/backward (rt.gathered).
+
+        Deferred copies and units a forward kept for its backward are returned
+        first, so the block holds the unit alone and its end releases it.
+        """
+        self.holds.take_outside(unit)
+        for rec in unit.records:
+            if rec.state is State.DEFERRED_RELEASE:
+                self._step(rec, "flush")
+        self.prefetch.fetch(unit, None, None)
+
+    def unhold(self, unit) -> None:
+        self.holds.drop_outside(unit)
+
+    def release_forward_holds(self) -> None:
+        """Release every forward hold kept for a backward (a load or a save reads or writes the shards)."""
+        self.holds.release_all()
+
+    def shards_written(self, records, changed, why: str) -> None:
+        """The shards of ``records`` are about to be written by ``why`` (``changed``: the ones whose values
+        change); see :mod:`paramfsm.engine.schedule.shard_writes`."""
+        self.emit(Event(SHARDS_WRITTEN, records=records, changed=changed, why=why))
+
+    def write_back(self, records) -> None:
+        """Write the held full copies of ``records`` back into their shards (``rt.gathered(writeback=True)``)."""
+        self.emit(Event(WRITTEN_BACK, records=records))
+
+    def request_flush(self) -> None:
+        """rt.flush(): queued like any event, so it never interleaves with a step in progress."""
+        self.emit(Event(FLUSH))
+
+    def recover(self, why: str) -> None:
+        """Return every parameter to NOT_AVAILABLE after an interrupted forward or backward."""
+        log.warning("paramfsm: resetting gathered parameters on rank %d: %s", self.ctx.rank, why)
+        self.report_failure(None, "interrupted")
+        self._queue.clear()
+        self.graph.reset()
+        self.prefetch.reset()
+        self.holds.reset()
+        self.executor.abort_reduces()
+        for rec in self.records:
+            self._step(rec, "reset")
+        self.on_demand.reset()
+        self.grads.reset()
