@@ -204,7 +204,8 @@ class Executor(Gathers):
             return
         size = grad.numel() * grad.element_size()
         if had is not None:  # its flag rides in its bucket: [Note: a gradient no rank produced stays None]
-            self._had[rec] = had
+            # Zeros and a late gradient of one parameter may share a bucket: this rank had it if either had.
+            self._had[rec] = had or self._had.get(rec, False)
         if size >= self.bucket_bytes:  # a bucket of its own: see [Note: a big gradient is reduced in place]
             self._reduce([(rec, grad if owned else grad.clone())])
             return

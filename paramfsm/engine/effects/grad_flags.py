@@ -29,8 +29,13 @@ class Flags:
 
 
 def add_flags(pending: list, had: dict, world: int) -> list:
-    """``pending`` (record, gradient) pairs, plus the flags of those in ``had`` (popped from it)."""
-    flagged = [rec for rec, _ in pending if rec in had]
+    """``pending`` (record, gradient) pairs, plus the flags of those in ``had`` (popped from it).
+
+    A parameter may be pending twice (zeros when its unit closed, then its late gradient: [Note: late
+    gradients] in paramfsm.engine.schedule.grad_order); it has one flag, and both pieces are accumulated
+    or neither.
+    """
+    flagged = list(dict.fromkeys(rec for rec, _ in pending if rec in had))
     if not flagged:
         return pending
     values = [1.0 if had.pop(rec) else 0.0 for rec in flagged]
