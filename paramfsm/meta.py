@@ -96,13 +96,20 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
 
 
+#: The guard's advice while a meta-built model has no values yet.
+NO_VALUES_YET = ("rt.init_weights() (or rt.init_weights(fn)), or load weights "
+                 "(paramfsm.integrations.hf.load_pretrained(rt, path), rt.load_full_state_dict(sd), "
+                 "rt.load_sharded_state_dict(sd)) on every rank first")
+
+
 class Values:
     """What of a sharded model's values is not set (see [Note: the values guard])."""
 
-    __slots__ = ("unset", "buffers", "handle")
+    __slots__ = ("unset", "advice", "buffers", "handle")
 
     def __init__(self):
         self.unset: str | None = None  # why the parameters hold no values; None once they do
+        self.advice = NO_VALUES_YET  # the guard's "What to do"
         self.buffers: list[tuple[str, nn.Module, str, torch.Tensor, int]] = []  # meta buffers not written yet
         self.handle = None  # the guard's forward pre-hook while one is needed
 
@@ -147,11 +154,14 @@ def unset_buffers(values: Values) -> list[str]:
 def setting_values(rt, what: str):
     """Around a write of every parameter's values (init or load): the guard holds until it completes."""
     values = rt._values
-    values.unset = (f"{what} failed part-way, so the parameters hold a mix of old and new values; "
-                    f"run {what} again (or load a checkpoint) before training")
+    values.unset = f"{what} failed part-way, so the parameters hold a mix of old and new values"
+    values.advice = (f"run {what} again, or load a good checkpoint (paramfsm.checkpoint.load, "
+                     "rt.load_full_state_dict(sd)), on every rank before training; not rt.init_weights(), "
+                     "which would replace trained weights")
     _guard_on(rt)
     yield
     values.unset = None
+    values.advice = NO_VALUES_YET
     _check(values)
 
 
@@ -171,10 +181,8 @@ def _check(values: Values) -> None:
 
 def _guard(values: Values, module, args) -> None:
     if values.unset is not None:
-        raise ParamFSMError(f"forward of the sharded {type(module).__name__}: {values.unset}. What to do: "
-                            "rt.init_weights() (or rt.init_weights(fn)), or load weights "
-                            "(paramfsm.integrations.hf.load_pretrained(rt, path), rt.load_full_state_dict(sd), "
-                            "rt.load_sharded_state_dict(sd)) on every rank first")
+        raise ParamFSMError(f"forward of the sharded {type(module).__name__}: {values.unset}. "
+                            f"What to do: {values.advice}")
     names = unset_buffers(values)
     if names:
         raise ParamFSMError(

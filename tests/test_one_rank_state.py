@@ -340,9 +340,10 @@ def test_a_load_that_fails_part_way_blocks_the_forward(one_rank):
     with pytest.raises(NotImplementedError):
         rt.load_full_state_dict(state)
     with pytest.raises(ParamFSMError, match=re.escape(
-            "rt.load_full_state_dict failed part-way, so the parameters hold a mix of old and new values; "
-            "run rt.load_full_state_dict again (or load a checkpoint) before training")):
+            "rt.load_full_state_dict failed part-way, so the parameters hold a mix of old and new values. "
+            "What to do: run rt.load_full_state_dict again, or load a good checkpoint")) as caught:
         model(_tokens(0))
+    assert "not rt.init_weights()" in str(caught.value)  # it would replace trained weights
     rt.load_full_state_dict(_model(1).state_dict())
     _equal_dicts(rt.full_state_dict(), _model(1).state_dict())
     rt.close()
