@@ -108,7 +108,7 @@ class Accelerator(accelerate.Accelerator):
         if self.num_processes == 1 and launched > 1:
             raise ParamFSMError(f"this process is one of {launched} (WORLD_SIZE), but Accelerate runs it alone "
                                 f"(rank {os.environ.get('RANK', '?')}), so each would train its own unsharded copy: "
-                                "without a GPU, pass Accelerator(cpu=True) or launch with `accelerate launch --cpu`")
+                                "without a GPU, pass Accelerator(cpu=True), which makes Accelerate join the processes torchrun started")
         if self.num_processes == 1 and not torch.distributed.is_initialized():
             options.setdefault("group", "single")  # a plain `python script.py`: Accelerate made no process group
         on_meta = any(p.is_meta for p in model.parameters())
