@@ -43,7 +43,7 @@ lint: install
 	  if [ -n "$$big" ]; then echo "modules over 400 lines: $$big"; exit 1; fi
 	@if grep -rnE '\.state\s*=[^=]' paramfsm --include='*.py' | grep -v '^paramfsm/core/fsm.py'; then \
 	  echo "a parameter state is assigned outside paramfsm/core/fsm.py"; exit 1; fi
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_schedule_components.py
 
 mutants: install
 	$(PY) -m paramfsm.testing.mutants

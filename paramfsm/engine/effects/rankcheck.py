@@ -133,9 +133,8 @@ def check_header(fields: tuple[int, ...], rank: int, world: int, group, unit_nam
     """A blocking header before the collective ``what`` ("all-gather" or "reduce-scatter"): all-gather its
     kind and tag alone (fixed size), raise RankDesync unless every rank's is the same. ``wait`` waits for
     the header's all-gather (a time-limited waiter from the executor)."""
-    from paramfsm.engine.effects.collectives import (
-        all_gather_tags,  # collectives imports the exchange, which imports this
-    )
+    # collectives imports the exchange, which imports this
+    from paramfsm.engine.effects.collectives import all_gather_tags
 
     header = torch.tensor([_CODES.get(what, 0)] + [f & 0xFFFFFFFF for f in fields], dtype=torch.int64)
     rows = all_gather_tags(header, world, group, wait)

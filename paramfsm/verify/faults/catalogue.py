@@ -26,7 +26,6 @@ table and ``tests/test_mutants.py`` asserts it.
 from __future__ import annotations
 
 import contextlib
-import types
 from typing import Callable, Iterator
 
 import attrs
@@ -39,13 +38,13 @@ from paramfsm.engine.effects.executor import Executor
 from paramfsm.engine.events import events, graph_task, hooks
 from paramfsm.engine.schedule.backward import GraphTasks
 from paramfsm.engine.schedule.deferral import Deferral
-from paramfsm.engine.schedule.on_demand import OnDemand
 from paramfsm.engine.schedule.prefetch import Prefetch
 from paramfsm.engine.schedule.scheduler import Scheduler
 from paramfsm.engine.storage.partitioned import real_grad, set_real_grad
 from paramfsm.verify.faults.accumulation import ACCUMULATION
 from paramfsm.verify.faults.patching import patched as _patched
 from paramfsm.verify.faults.regressions import REGRESSIONS
+from paramfsm.verify.faults.routing import ROUTING
 from paramfsm.verify.faults.shard_writes import SHARD_WRITES
 from paramfsm.verify.faults.training import (
     checkpoint_offset_unpadded, clip_without_clamp, found_inf_not_agreed, scale_not_backpropagated,
@@ -224,31 +223,6 @@ def _recompute_not_gathered():
     return both()
 
 
-def _missing_grads_out_of_order():
-    def make(original):
-        def take_ordered(self, pairs):
-            pairs = list(pairs)  # zeros after the real gradients, where autograd's order would put them
-            original(self, [p for p in pairs if p[1] is not None] + [p for p in pairs if p[1] is None])
-        return take_ordered
-    return _patched(Executor, "take_ordered", make)
-
-
-def _on_demand_never_released():
-    def make(original):
-        def _on_demand(self, ev):
-            reader = self.reading_unit(ev.graph_task)
-            if reader is None:
-                return
-            self._step(ev.record, "demand")  # gathered for the reader, but never borrowed: never released
-            self._prefetch.issue()
-            self._prefetch.wait(types.SimpleNamespace(records=(ev.record,)))
-        return _on_demand
-    return _patched(OnDemand, "_on_demand", make)
-
-
-#: The subject with a mixture of experts made one unit and a read outside a unit.
-EXPERTS = "paramfsm.testing.subjects:experts_lm"
-
 CATALOGUE: tuple[Fault, ...] = (
     Fault("preprocess_once_per_process",
           "pre-backward preprocessing (the unit's fetch) runs once per process, not once per graph task",
@@ -358,19 +332,7 @@ CATALOGUE: tuple[Fault, ...] = (
           "scrolled out of the ring is missing from the dump",
           "NVIDIA/nccl PR #2304 (a ring buffer that loses records silently); paramfsm #28",
           "memory", ring_window_forgets_idle, scrolled_leak_scenario),
-    Fault("missing_grads_out_of_order",
-          "a parameter without a gradient on this rank is reduce-scattered as zeros after the unit's other "
-          "gradients (autograd's order), not in the unit's order, so ranks pair different parameters",
-          "pytorch/pytorch #158719 and PR #174862 (FSDP with parameters used differently across ranks), "
-          "NVIDIA/Megatron-LM PR #2218 (inconsistent gradient reduce ordering across DP ranks)",
-          "correctness", _missing_grads_out_of_order,
-          subject=EXPERTS),
-    Fault("on_demand_never_released",
-          "a parameter gathered for a read outside its module is never released with the module that read it",
-          "DeepSpeed PR #1453 review (a parameter requested outside its module becomes an external parameter; "
-          "registered external parameters are not partitioned after the module finishes), DeepSpeed #930",
-          "memory", _on_demand_never_released,
-          subject=EXPERTS),
+    *(Fault(*entry) for entry in ROUTING),  # gradients missing on a rank, reads outside a unit
     *(Fault(*entry) for entry in ACCUMULATION),  # gradient accumulation and reshard_after_forward
     *(Fault(*entry) for entry in SHARD_WRITES),  # shard writes: optimizer steps, rt.gathered write-back
     *(Fault(*entry) for entry in REGRESSIONS),  # reentrant checkpointing inside a unit
