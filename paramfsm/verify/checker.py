@@ -19,7 +19,9 @@ paramfsm bug. Leaving the block runs the checks of
 :mod:`paramfsm.verify.checks` (see :mod:`paramfsm.verify.runner` for the
 list) and raises :class:`Failed` on a problem, or on any exception the op
 raised. Every rank calls one tiny all-reduce per op so that all ranks stop
-at the same op, whichever rank saw the problem.
+at the same op, whichever rank saw the problem. From the first
+:class:`~paramfsm.verify.ops.RankLoss` on, a ``RankDesync`` raised on every
+rank stops the program without failing it (:mod:`paramfsm.verify.rank_loss`).
 """
 
 from __future__ import annotations
@@ -33,47 +35,20 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from paramfsm.core.spec import State
-from paramfsm.verify import checks, loop_helpers, sync_checks, user_loops
+from paramfsm.verify import checks, loop_helpers, rank_loss, sync_checks, user_loops
 from paramfsm.verify.mirror import Mirror, loss_of, penalised  # noqa: F401 - re-exported for the runner
 from paramfsm.verify.ops import (
     Backward, Checkpoint, Clip, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite, GradSync,
-    Loss, NoSync, PartStep, Penalty, Save, Step, SubForward, SyncGradients, ZeroGrad,
+    Loss, NoSync, PartStep, Penalty, RankLoss, Save, Step, SubForward, SyncGradients, ZeroGrad,
 )
 from paramfsm.verify.subject import describe, global_batch, split
+from paramfsm.verify.verdicts import Failed, Rejected, agree  # noqa: F401 - re-exported for the runner
 
-_OK, _FAILED, _REJECTED = 0, 1, 2  # what a rank reports for an op; the ranks agree on the largest
+_OK, _FAILED, _REJECTED, _DESYNC = 0, 1, 2, 3  # what a rank reports for an op; the ranks agree on the largest
 
 
 #: Forward modes whose graph a retained backward keeps whole (no checkpointing recomputes its units).
 PLAIN_MODES = ("train", "eval")
-
-
-class Failed(Exception):
-    """A check failed (or the op raised) at op ``op`` (None: setting up or at the end); carries the check kind."""
-
-    def __init__(self, kind: str, problems, detail: str = "", op: int | None = None):
-        self.kind, self.problems, self.detail, self.op = kind, list(problems), detail, op
-        super().__init__("; ".join(self.problems))
-
-    def report(self) -> str:
-        """One line naming the check and the op, then the problems' detail (a traceback tail), if any."""
-        where = f"op {self.op}" if self.op is not None else "setup or teardown"
-        return f"{self.kind} check failed at {where}: {self}" + (f"\n{self.detail}" if self.detail else "")
-
-
-class Rejected(Exception):
-    """Plain torch cannot run op ``op`` on this model: the program is invalid for it, not a paramfsm bug."""
-
-    def __init__(self, reason: str, op: int, detail: str = ""):
-        self.reason, self.op, self.detail = reason, op, detail
-        super().__init__(f"plain torch cannot run op {op} on this model: {reason}")
-
-
-def agree(group, code: int) -> int:
-    """The largest code any rank reports (every rank calls this at the same point)."""
-    flag = torch.tensor([code])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag.item())
 
 
 class Checker:
@@ -97,6 +72,7 @@ class Checker:
         self.owner: dict[int, int] = {}  # loss -> output
         self.modes: dict[int, str] = {}  # output -> the mode of the forward that made it
         self.released = False  # the op must leave nothing deferred
+        self.rank_loss = False  # a RankLoss ran: a RankDesync on every rank is accepted (paramfsm.verify.rank_loss)
         # Parameters modified (a step, a write) since a forward last ran them: their gathered data may be older.
         self.unfresh: set[str] = set()
         self.nan_padded: set[str] = set()  # gradients whose padding a NaN clip coefficient made NaN
@@ -152,27 +128,40 @@ class Checker:
         if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):  # not a finding; DCP's
             return False  # CheckpointException derives from BaseException and is one
         failure = None
+        desync = rank_loss.accepted(exc, self.rank_loss)
         if isinstance(exc, Failed):
             failure = exc
-        elif exc is not None:
+        elif exc is not None and not desync:
             detail = "".join(traceback.format_exception(exc, limit=-6))
             failure = Failed("exception", [f"{type(exc).__name__}: {exc}"], detail)
-        else:
+        elif not desync:
             try:
                 self._track(self._op)
                 self._check(self._op)
             except Failed as found:
                 failure = found
-        code = agree(self.group, _FAILED if failure is not None else _OK)
+        code = agree(self.group, _DESYNC if desync else _FAILED if failure is not None else _OK)
         self._clean_scratch()
         if code == _OK:
             return False
+        if code == _DESYNC:
+            failure = self._desync(exc if desync else None, failure)
         self._stop()
         if code == _REJECTED:
             raise Rejected("another rank's reference failed", self.index) from None
         failure = failure or Failed("peer", ["another rank failed"])
         failure.op = self.index
         raise failure from None
+
+    def _desync(self, exc, failure: Failed | None) -> Failed:
+        """Some rank raised an accepted RankDesync: stop the program if every rank did, else fail the check."""
+        problems = rank_loss.judge(self.group, exc, failure is not None)
+        if problems is None:
+            self.rt.reset()  # every rank issued the collectives still in flight
+            rank_loss.forget_dumps(exc)
+            self._stop()
+            raise rank_loss.Desynced(str(exc), self.index) from None
+        return failure or Failed("desync", problems)
 
     def _stop(self) -> None:
         """Detach the runtime without any collective: after a failure its state may be inconsistent."""
@@ -202,6 +191,8 @@ class Checker:
             self.unfresh.add(op.param)
         elif isinstance(op, Loss):
             self.owner[op.loss] = op.out
+        elif isinstance(op, RankLoss):  # this rank's backward of it reaches its own output's graph only
+            self.owner[op.loss], self.rank_loss = user_loops.chosen(op.outs, self.rank), True
         elif isinstance(op, (Backward, Penalty)):
             self.accumulating = not self.syncing
             out = self.owner[op.loss]

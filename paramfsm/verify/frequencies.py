@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from paramfsm.verify.ops import (
-    Backward, Drop, Evaluate, Forward, GatheredWrite, Loss, PartStep, Penalty, Program, Restore, Save, Step, SubForward,
+    Backward, Drop, Evaluate, Forward, GatheredWrite, Loss, PartStep, Penalty, Program, RankLoss, Restore, Save, Step,
+    SubForward,
 )
 
 
@@ -27,15 +28,15 @@ def patterns(program: Program) -> set[str]:
     retained: set[int] = set()  # alive outputs a backward retained
     owner: dict[int, int] = {}
     stepped_over: set[int] = set()  # retained outputs an optimizer stepped over
-    made: set[int] = set()  # outputs of forwards so far
+    made: dict[int, str] = {}  # outputs of forwards so far -> the module that made them ("": the root)
     before_step: set[int] = set()  # outputs of forwards made before the last step
     for op in program.ops:
         if isinstance(op, (Step, PartStep)):
             before_step = set(made)
         elif isinstance(op, (Forward, SubForward)):
-            made.add(op.out)
-        if isinstance(op, Loss):
-            owner[op.loss] = op.out
+            made[op.out] = getattr(op, "module", "")
+        if isinstance(op, (Loss, RankLoss)):
+            owner[op.loss] = op.out if isinstance(op, Loss) else op.outs[-1]
         elif isinstance(op, (Backward, Penalty)) and op.retain:
             retained.add(owner[op.loss])
         elif isinstance(op, (Step, PartStep)) and retained:
@@ -58,6 +59,9 @@ def patterns(program: Program) -> set[str]:
             found.add(f"{type(op).__name__}({'full state dict' if op.full else 'DCP'})")
         if isinstance(op, Restore) and retained:
             found.add("Restore while a retained graph is alive")
+        if isinstance(op, RankLoss):
+            found.add("RankLoss over outputs of " + ("different" if len({made[o] for o in op.outs}) > 1 else "the same")
+                      + " modules")
     return found
 
 

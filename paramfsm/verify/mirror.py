@@ -31,7 +31,11 @@ reduce-scatter produces. What each op means in plain torch:
   copies); ``PartStep`` and ``PartZeroGrad`` use one part's optimizer;
   ``GatheredWrite`` is the same write on the plain parameter; ``Evaluate``
   runs the eval forwards; ``Save`` and ``Restore`` copy and load
-  ``state_dict()`` (with the optimizers' for a DCP checkpoint).
+  ``state_dict()`` (with the optimizers' for a DCP checkpoint);
+  ``RankLoss`` builds each rank slice's loss from the output that rank
+  chooses, so a backward differentiates each slice's own output (under
+  ``param_dtype``, the gradients of every copy the chosen outputs ran on are
+  folded in).
 
 :attr:`Mirror.expected` is what paramfsm's value of the last op must equal
 (a loss, a unit's output, an eval segment's outputs), one entry per rank slice.
@@ -47,8 +51,8 @@ from torch.utils._pytree import tree_map
 from paramfsm.verify import user_loops
 from paramfsm.verify.ops import (
     PENALTY_WEIGHT, TREE_VARIANTS, Backward, Clip, Config, Drop, Evaluate, Forward, FullState, Gathered,
-    GatheredWrite, Loss, Overflow, PartStep, PartZeroGrad, Penalty, RequiresGrad, Restore, Save, Step, SubForward,
-    Unscale, ZeroGrad,
+    GatheredWrite, Loss, Overflow, PartStep, PartZeroGrad, Penalty, RankLoss, RequiresGrad, Restore, Save, Step,
+    SubForward, Unscale, ZeroGrad,
 )
 from paramfsm.verify.subject import first_tensor
 from paramfsm.verify.loop_helpers import (
@@ -104,7 +108,7 @@ class Mirror:
         self.outs: dict[int, list] = {}
         self.copies: dict[int, list] = {}  # output -> the low-precision copy each slice ran on
         self.losses: dict[int, list] = {}
-        self.owner: dict[int, int] = {}  # loss -> output
+        self.owner: dict[int, tuple] = {}  # loss -> the outputs it reads
         self.norm = None  # the total norm of the last Clip
         self.saved: dict = {}  # the state dict before the last FullState load
         self.acts: dict[int, list] = {}  # train forward -> each slice's recorded module inputs
@@ -166,7 +170,8 @@ class Mirror:
         scale = self.scaler.scale if self.scaler is not None else (lambda t: t)
         for loss in losses:
             scale(total_of(loss)).backward(retain_graph=op.retain)
-        self._fold(self.copies[self.owner[op.loss]])
+        copies = {id(c): c for out in self.owner[op.loss] for c in self.copies[out]}  # each copy once
+        self._fold(list(copies.values()))
 
     def _fold(self, copies) -> None:
         """The copies' gradients into the master's: fp32, pre-divided by the world size, summed in rank order."""
@@ -191,10 +196,14 @@ class Mirror:
             self._forward("no_grad", slices[op.batch][0])
         elif isinstance(op, Loss):
             targets = slices[op.batch][1]
-            self.owner[op.loss] = op.out
+            self.owner[op.loss] = (op.out,)
             self.losses[op.loss] = [loss_of(op.variant, o, t, self.loss_fn, self.dtype is not None)
                                     for o, t in zip(self.outs[op.out], targets)]
             self.expected = self.losses[op.loss]
+        elif isinstance(op, RankLoss):
+            self.owner[op.loss] = op.outs
+            self.losses[op.loss] = self.expected = [
+                user_loops.tree_loss(op.variant, self.outs[user_loops.chosen(op.outs, r)][r]) for r in range(self.world)]
         elif isinstance(op, Backward):
             self._backward(op, lambda loss: loss)
         elif isinstance(op, Penalty):

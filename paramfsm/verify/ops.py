@@ -267,12 +267,28 @@ class Restore:
     full: bool
 
 
+@attrs.frozen(slots=True)
+class RankLoss:
+    """A loss that reads a different output on each rank: rank ``r``'s loss is ``tree_loss(variant, out)`` of
+    output ``outs[r % len(outs)]`` (every rank produced all of them), as when each rank's loss uses another head.
+
+    Plain torch: each rank slice's loss from its own chosen output. paramfsm must either train exactly like
+    that or raise ``paramfsm.RankDesync`` on every rank, naming a unit and the fix, when the ranks' backward
+    passes reach different units (see :mod:`paramfsm.verify.rank_loss`). ``variant``: one of
+    :data:`TREE_VARIANTS`.
+    """
+
+    loss: int
+    outs: tuple[int, ...]
+    variant: int
+
+
 #: The ops of user training loops beyond driving the root module (see :mod:`paramfsm.verify.user_loop_intents`).
-USER_LOOP_OPS = (SubForward, PartStep, PartZeroGrad, GatheredWrite, Evaluate, Save, Restore)
+USER_LOOP_OPS = (SubForward, PartStep, PartZeroGrad, GatheredWrite, Evaluate, Save, Restore, RankLoss)
 
 Op = (Forward | Loss | Backward | Penalty | Drop | ZeroGrad | Step | Flush | Gathered | Unscale | Overflow | Clip
       | FullState | Checkpoint | RequiresGrad | NoSync | GradSync | SyncGradients | SubForward | PartStep
-      | PartZeroGrad | GatheredWrite | Evaluate | Save | Restore)
+      | PartZeroGrad | GatheredWrite | Evaluate | Save | Restore | RankLoss)
 
 
 @attrs.frozen(slots=True)

@@ -36,8 +36,8 @@ from paramfsm.verify.accumulation_intents import ACCUMULATION_KINDS, Accumulatio
 from paramfsm.verify.ops import (  # noqa: F401 - the vocabulary, re-exported for existing imports
     AUTO_MODES, BATCHES, CLIP_NORM_TYPES, CLIP_NORMS, GRAD_MODES, LOSS_VARIANTS, MODES, PENALTY_WEIGHT, Backward,
     Checkpoint, Clip, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite, GradSync, Loss,
-    NoSync, Op, Overflow, PartStep, PartZeroGrad, Penalty, Program, RequiresGrad, Restore, Save, Shape, Step,
-    SubForward, SyncGradients, Unscale, ZeroGrad,
+    NoSync, Op, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore, Save, Shape,
+    Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.user_loop_intents import USER_LOOP_KINDS, UserLoopIntents
 
@@ -321,6 +321,14 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
                 ("forward", 0, 2, False), ("backward", 0, 2, True), ("save_restore", 0, 0, True),
                 ("save_restore", 1, 0, False), ("iteration", 0, 3, False), ("save_restore", 1, 0, True),
                 ("iteration", 2, 1, True))),
+    # A loss that reads another output on each rank (each rank's backward differentiates its own): rank 0's
+    # from one batch's output, rank 1's from another's (the same units in the same order: it must train like
+    # plain torch), a step; rank 0's from the root output, rank 1's from a unit run again on that forward's
+    # saved inputs; then rank 0's from one unit and rank 1's from another, each run on detached inputs. Where
+    # the ranks' backward passes reach different units, every rank must raise RankDesync (the program stops).
+    (Config(), (("forward", 0, 0, False), ("forward", 0, 1, False), ("rank_loss", 0, 0, False),
+                ("step", 0, 0, False), ("forward", 0, 2, False), ("rank_loss", 1, 0, False), ("step", 0, 0, False),
+                ("rank_loss", 2, 1, True))),
 )
 
 

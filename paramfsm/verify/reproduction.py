@@ -9,7 +9,10 @@ of plain PyTorch and public paramfsm API inside ``with check(<op>):``. The
 block runs the op on the reference first and checks gradients, parameters,
 states and communication after it, as ``paramfsm verify`` does; the trace
 and ``rt.close()`` are checked at the end. The failing op is marked with
-``# <- fails here`` and the failure is quoted in the docstring.
+``# <- fails here`` and the failure is quoted in the docstring. A loss that
+reads another output on each rank (``RankLoss``) is one line picking this
+rank's output; if every rank then raises ``RankDesync`` (naming a unit and the
+fix), the script stops there and exits 0, as verify accepts that outcome.
 
 Run the script with ``torchrun --nproc-per-node WORLD``: :func:`run_reproduction`
 prints the check's message and exits 1 while the bug is present, and exits 0
@@ -30,8 +33,8 @@ import attrs
 
 from paramfsm.verify.ops import (
     PENALTY_WEIGHT, TREE_VARIANTS, Backward, Checkpoint, Clip, Drop, Evaluate, Flush, Forward, FullState, Gathered,
-    GatheredWrite, GradSync, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RequiresGrad, Restore,
-    Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
+    GatheredWrite, GradSync, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad,
+    Restore, Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.loop_helpers import SCALER
 from paramfsm.verify.user_loops import WRITES
@@ -53,7 +56,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
     loops = sorted(({"record_inputs"} if script.sources else set())
                    | {"detached" for op in program.ops if isinstance(op, SubForward) and op.detach}
                    | {"in_place_on_view" for op in program.ops if isinstance(op, SubForward) and op.view}
-                   | {"tree_loss" for op in program.ops if isinstance(op, Loss) and op.variant in TREE_VARIANTS})
+                   | {"tree_loss" for op in program.ops if isinstance(op, Loss) and op.variant in TREE_VARIANTS
+                      or isinstance(op, RankLoss)})
     used = sorted({type(op).__name__ for op in program.ops} | {"Config"})
     helpers = sorted({"perturbed" for op in program.ops if isinstance(op, (FullState, Checkpoint))}
                      | {"force_overflow" for op in program.ops if isinstance(op, Overflow)}
@@ -261,6 +265,10 @@ def _render_user_loop_op(op, seen: set[int], script: _Script) -> list[str]:
                 f"out{op.out} = model.get_submodule({op.module!r})(*args, **kwargs)",
                 *([f"in_place_on_view(out{op.out})  # h = (its first float tensor)[...]; h += 0.5"] if op.view else []),
                 f"check.same(out{op.out})  # plain torch's output", "del args, kwargs"]
+    if isinstance(op, RankLoss):
+        outs = ", ".join(f"out{out}" for out in op.outs)
+        return [f"loss{op.loss} = tree_loss({op.variant}, ({outs})[rank % {len(op.outs)}])  # another output per rank",
+                f"check.same(loss{op.loss})  # plain torch's value of this rank slice's loss"]
     if isinstance(op, PartStep):
         return [f"opts[{op.part}].step()  # subject.parts[{op.part}] only"]
     if isinstance(op, PartZeroGrad):
@@ -294,7 +302,9 @@ def _render_user_loop_op(op, seen: set[int], script: _Script) -> list[str]:
 def run_reproduction(main, *, fault: str | None = None, timeout_s: float = 60.0, stream=None) -> int:
     """Run a reproduction's ``main(rank, world)`` under ``fault``; return its exit status.
 
-    0: every check passed. 1: a check failed or an op raised (the check's
+    0: every check passed, or every rank raised ``RankDesync`` after a loss
+    that reads another output per rank (the accepted outcome; a line on
+    ``stream`` says where). 1: a check failed or an op raised (the check's
     message goes to ``stream``, stderr by default). 2: plain torch itself
     cannot run an op on this model (not a paramfsm bug). Starts a gloo process
     group from the torchrun environment when none is initialised (and
@@ -304,6 +314,7 @@ def run_reproduction(main, *, fault: str | None = None, timeout_s: float = 60.0,
 
     from paramfsm.verify import faults
     from paramfsm.verify.checker import Failed, Rejected
+    from paramfsm.verify.rank_loss import Desynced
 
     stream = stream or sys.stderr
     created = not dist.is_initialized()
@@ -320,6 +331,8 @@ def run_reproduction(main, *, fault: str | None = None, timeout_s: float = 60.0,
     except Rejected as exc:
         print(f"rank {rank}: {exc} (a limit of the model, not a paramfsm bug)", file=stream)
         return 2
+    except Desynced as exc:
+        print(f"rank {rank}: stopped: {exc}", file=stream)
     except Exception as exc:  # noqa: BLE001 - setting up failed: report it like a check
         print(f"rank {rank}: setup check failed: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-6)}",
               file=stream)

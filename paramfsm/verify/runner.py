@@ -27,7 +27,11 @@ After every op (see :mod:`paramfsm.verify.checks`):
 - gathered data is the current parameter (inside ``rt.gathered``, and for
   every parameter a forward ran since a step or a write last modified it);
 - every loss, every output of a unit run again (``SubForward``) and of an
-  eval segment equals plain torch's (``Checker.same``);
+  eval segment equals plain torch's (``Checker.same``); a loss that reads
+  another output on each rank (``RankLoss``) trains like plain torch, or
+  every rank raises ``RankDesync``, naming a unit and the fix: then the
+  program stops there, and its outcome's kind is ``"desync"``, not failed
+  (:mod:`paramfsm.verify.rank_loss`);
 - communication counts are sane: a backward that finds every parameter
   deferred issues no all-gather, reduce-scatters are bounded by the
   parameters that require grad;
@@ -61,10 +65,11 @@ from paramfsm.verify import faults
 from paramfsm.verify.checker import Checker, Failed, Rejected, agree
 from paramfsm.verify.mirror import loss_of, penalised
 from paramfsm.verify import user_loops
+from paramfsm.verify.rank_loss import Desynced
 from paramfsm.verify.ops import (
     Backward, Checkpoint, Clip, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite, GradSync, Loss,
-    NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RequiresGrad, Restore, Save, Step, SubForward,
-    SyncGradients, Unscale, ZeroGrad,
+    NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore, Save, Step,
+    SubForward, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
@@ -86,7 +91,9 @@ class Options:
 class Outcome:
     """One rank's result: whether the program failed, at which op (None: setting up or at the end), why.
 
-    A program plain torch cannot run is not failed: its kind is ``"invalid"`` and the message says why.
+    A program plain torch cannot run is not failed: its kind is ``"invalid"`` and the message says why. One
+    that every rank stopped with ``RankDesync`` after a ``RankLoss`` is not failed either: its kind is
+    ``"desync"``, ``op`` is where the ranks raised it and the message is this rank's error.
     """
 
     failed: bool
@@ -153,6 +160,9 @@ class Run:
         elif isinstance(op, Loss):
             targets = self.check.batch(op.batch)[1][self.rank]
             self.losses[op.loss] = loss_of(op.variant, self.outs[op.out], targets, self.subject.loss_fn, self.upcast)
+            self.check.same(self.losses[op.loss])
+        elif isinstance(op, RankLoss):
+            self.losses[op.loss] = user_loops.tree_loss(op.variant, self.outs[user_loops.chosen(op.outs, self.rank)])
             self.check.same(self.losses[op.loss])
         elif isinstance(op, Backward):
             kwargs = {"retain_graph": True} if op.retain else {}
@@ -271,6 +281,8 @@ class Run:
             self.check.finish()
         except Rejected as exc:
             return Outcome(False, exc.op, "invalid", exc.reason, exc.detail, time.perf_counter() - start)
+        except Desynced as exc:
+            return Outcome(False, exc.op, "desync", exc.message, "", time.perf_counter() - start, self.rt.counters)
         except Failed as exc:
             return Outcome(True, exc.op, exc.kind, str(exc), exc.detail, time.perf_counter() - start,
                            self.rt.counters)

@@ -6,9 +6,10 @@ the saved inputs of an earlier forward (its graph kept alive, or detached),
 optimizer steps and ``zero_grad`` of one part of the model (a GAN's G or D,
 ``Subject(parts=...)``), whole GAN iterations with the fake batch not
 detached, in-place writes inside ``rt.gathered``, eval segments under
-``torch.no_grad()`` and ``torch.inference_mode()``, and a saved state
+``torch.no_grad()`` and ``torch.inference_mode()``, a saved state
 (``rt.full_state_dict()``, or a DCP checkpoint with the optimizer state)
-restored later in the loop.
+restored later in the loop, and a loss that reads another output on each
+rank, with its backward (:meth:`UserLoopIntents.rank_loss`).
 
 [Note: which graphs an op makes stale]
 Plain torch refuses a backward through a graph whose saved parameters were
@@ -37,12 +38,13 @@ import torch
 
 from paramfsm.verify import user_loops
 from paramfsm.verify.ops import (
-    BATCHES, TREE_VARIANTS, Evaluate, GatheredWrite, PartStep, PartZeroGrad, Restore, Save, SubForward,
+    BATCHES, TREE_VARIANTS, Evaluate, GatheredWrite, PartStep, PartZeroGrad, RankLoss, Restore, Save, SubForward,
 )
 
 #: Intent kinds this mixin handles (see :meth:`UserLoopIntents.user_loop_op`).
 USER_LOOP_KINDS = ("sub_forward", "part", "gan", "gathered_write", "evaluate", "save_restore", "sub_forward",
-                   "gathered_write", "gathered_write")  # writes are drawn in fp32 programs only
+                   "gathered_write", "gathered_write",  # writes are drawn in fp32 programs only
+                   "rank_loss")
 
 
 def learn(subject, inputs, modules: tuple[str, ...]) -> dict:
@@ -189,6 +191,34 @@ class UserLoopIntents:
             self.ops.append(Evaluate(tuple((b + i) % BATCHES for i in range(1 + a % 2)), flag))
         elif kind == "save_restore":
             self.save_restore(bool(a % 2), flag, a, b)
+        elif kind == "rank_loss":
+            self.rank_loss(a, b, flag)
+
+    def rank_loss(self, a: int, b: int, detach: bool) -> None:
+        """A :class:`RankLoss` over two usable outputs (the ``a``-th and another), then its backward without
+        ``retain_graph`` (through ``rt.backward`` when ``b`` is odd).
+
+        With fewer than two usable outputs, they are made: when ``a % 4`` is 0, root train forwards of other
+        batches (the ranks' backward passes reach the same units); otherwise units are run again (the ``a``-th
+        callee and the next, on the ``detach``-ed saved inputs of the last usable train forward, or not), and
+        root forwards make up for a subject with no unit below the root or outputs born with a freed graph. The loss belongs to the second output (dropped with it); the backward frees the graphs of
+        both, as the ranks' backward passes differ and each rank's frees its own output's graph.
+        """
+        for made in range(2):
+            if len(self.usable()) < 2 and a % 4:
+                kept = [o for o in self.usable() if o.train]
+                self.sub_forward(a + made, b + made, detach, False, kept[-1] if kept else None)
+        while len(self.usable()) < 2:
+            self.forward((b + len(self.usable())) % BATCHES, "train")
+        outs = self.usable()
+        first = outs[a % len(outs)]
+        second = [o for o in outs if o is not first][b % (len(outs) - 1)]
+        loss = self.next_loss
+        self.next_loss += 1
+        second.losses.append(loss)
+        self.ops.append(RankLoss(loss, (first.id, second.id), self.tree_variant(b)))
+        self.backward(first, loss, False, bool(b % 2))
+        self.free(second)
 
     def save_restore(self, full: bool, restore: bool, a: int, b: int) -> None:
         """A :class:`Save` (``restore`` False), or a :class:`Restore` of the last one; with none yet, a save, an

@@ -13,6 +13,7 @@ construction:
   output container (a plain dataclass, a namedtuple, nested dicts, lists and
   tuples) and the losses built from them;
 * :func:`write`: the in-place write of a :class:`~paramfsm.verify.ops.GatheredWrite`;
+* :func:`chosen`: the output a :class:`~paramfsm.verify.ops.RankLoss` reads on a rank (or rank slice);
 * :func:`parameter_sources`: which parameters a saved activation depends on
   (the probe's input to the normaliser's staleness tracking).
 """
@@ -107,6 +108,11 @@ def write(param: torch.Tensor, variant: int) -> None:
         param.mul_(0.5)
     else:
         param.add_(0.01)
+
+
+def chosen(outs: tuple, rank: int):
+    """The entry of ``outs`` a RankLoss reads on rank ``rank`` (plain torch: on rank slice ``rank``)."""
+    return outs[rank % len(outs)]
 
 
 def parameter_sources(tree, names: dict) -> set[str]:

@@ -1,0 +1,93 @@
+"""How ``paramfsm verify`` judges a ``paramfsm.RankDesync`` once a program's loss reads another output per rank.
+
+A :class:`~paramfsm.verify.ops.RankLoss` builds rank ``r``'s loss from output
+``outs[r % len(outs)]``, so each rank's backward reaches the units of its own
+output. What the runtime promises for such a loop (README, "RankDesync";
+``tests/test_rank_desync_default.py``): it trains exactly like plain torch
+(each rank slice's loss from its own output), or EVERY rank raises
+``RankDesync`` at the same op, naming a unit and the fix. Gloo aborting the
+process, one rank raising while another trains on, another exception, or a
+hang are bugs.
+
+So from the first RankLoss of a program on, a ``RankDesync`` raised inside an
+op is not a finding by itself. The checker's per-op agreement reports it, and
+then :func:`judge` makes the ranks agree whether every one of them raised a
+``RankDesync`` whose message names a unit (``unit '<name>'``) and offers a fix
+after "What to do:" (:data:`FIXES`). If so, the runtime is reset (the
+collectives already issued were issued on every rank), the flight-recorder
+dumps the error wrote are removed (an accepted outcome leaves nothing behind in
+the working directory), and :class:`Desynced` stops the program: its outcome
+kind is ``"desync"``, not failed. Otherwise every rank fails the ``desync``
+check, saying what it saw. Values that differ from plain torch's are caught by
+the usual checks after the op, and a hang by the group's collective timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from paramfsm.errors import RankDesync
+
+#: What a RankDesync's "What to do:" must offer: a unit that encloses the branch (``units=[Net]``), or step
+#: numbers that tell a skipped step from a taken one (``rt.set_step(step)``).
+FIXES = ("units=[", "rt.set_step(")
+#: How a flight-recorder note on an exception names its dump.
+_DUMP = re.compile(r"last transitions are in (\S+\.jsonl)")
+
+
+class Desynced(Exception):
+    """Every rank raised ``RankDesync`` at op ``op``, after a RankLoss, naming a unit and the fix: the
+    accepted outcome of a loss that reads another output per rank. The program stops there."""
+
+    def __init__(self, message: str, op: int):
+        self.message, self.op = message, op
+        super().__init__(f"every rank raised RankDesync at op {op} (accepted: the ranks' backward passes reached "
+                         f"different units): {message}")
+
+
+def accepted(exc: BaseException | None, after_rank_loss: bool) -> bool:
+    """Whether ``exc``, raised inside an op, is a ``RankDesync`` that a RankLoss earlier in the program allows."""
+    return after_rank_loss and isinstance(exc, RankDesync)
+
+
+def problems(exc: RankDesync) -> list[str]:
+    """What is missing from a ``RankDesync``'s message: the unit it names, the fix it offers."""
+    message = str(exc)
+    found = []
+    if not exc.unit or f"unit '{exc.unit}'" not in message:
+        found.append(f"RankDesync names no unit (unit={exc.unit!r}): {message}")
+    if not any(fix in message.partition("What to do:")[2] for fix in FIXES):
+        found.append(f"RankDesync offers no fix (none of {', '.join(FIXES)} after 'What to do:'): {message}")
+    return found
+
+
+def judge(group, exc: BaseException | None, failed: bool) -> list[str] | None:
+    """After some rank raised an accepted ``RankDesync`` at this op: None if every rank raised one naming a unit
+    and the fix (one all-reduce, on every rank), else this rank's problems.
+
+    ``exc``: this rank's accepted ``RankDesync``, or None; ``failed``: this rank has a failure of its own.
+    """
+    own = problems(exc) if exc is not None else []
+    flag = torch.tensor([int(exc is None or failed or bool(own))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag.item()):
+        return None
+    if own or failed:
+        return own
+    if exc is not None:
+        return [f"RankDesync was raised on this rank, but not on every rank with a unit and a fix: {exc}"]
+    return ["another rank raised RankDesync at this op; this rank ran on without it (every rank must raise it)"]
+
+
+def forget_dumps(exc: BaseException) -> None:
+    """Remove the flight-recorder dumps named in the notes of an accepted ``RankDesync``."""
+    for note in getattr(exc, "__notes__", ()):
+        for path in _DUMP.findall(note):
+            if os.path.basename(path).startswith("paramfsm-trace-"):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
