@@ -14,10 +14,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from paramfsm import accumulation, assembly, full_state, grad_norm, materialize, memory, teardown
+from paramfsm import accumulation, assembly, checkpoint, full_state, grad_norm, materialize, memory, teardown
 from paramfsm.core.spec import State
 from paramfsm.engine.events import graph_task as gt
-from paramfsm.engine.storage.default_units import MIN_UNIT_BYTES, describe
 from paramfsm.engine.storage.units import ParamRecord
 from paramfsm.errors import ParamFSMError
 from paramfsm.gathered import gathered as gathered_block
@@ -27,14 +26,10 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
           prefetch: int = 1, trace=False, spec=None, *, strict: bool = False,
           bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False,
           collective_timeout: float | None = None, mesh=None, device=None,
-          sync_module_states: bool = False, reshard_after_forward=True,
-          min_unit_bytes: int = MIN_UNIT_BYTES) -> "Runtime":
+          sync_module_states: bool = False, reshard_after_forward=True) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
-    ``units``: None (the default units: the blocks named in the model's
-    ``_no_split_modules``, else every module owning parameters directly, a module
-    holding less than ``min_unit_bytes``, default 64 KiB, joining its parent's
-    unit; ``rt.describe_units()`` shows the choice), ``by_size(...)``,
+    ``units``: None (every module owning parameters directly), ``by_size(...)``,
     a predicate ``(name, module) -> bool``, or a list of module classes, modules
     of the model and predicates; a class or module that matches nothing raises
     ``ArgumentError`` when no entry matches, else warns ``UnmatchedUnits``
@@ -91,8 +86,7 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
         model, group, units, mesh, retain=retain, max_deferred_bytes=max_deferred_bytes, prefetch=prefetch,
         trace=trace, spec=spec, strict=strict, bucket_bytes=bucket_bytes, param_dtype=param_dtype,
         reduce_dtype=reduce_dtype, debug=debug, collective_timeout=collective_timeout,
-        sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
-        min_unit_bytes=min_unit_bytes)
+        sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward)
     rt = Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                  bucket_bytes, param_dtype, reduce_dtype, debug, limit,
                  mesh if replicate_group is not None else None, replicate_group, device, mesh,
@@ -125,12 +119,6 @@ class Runtime:
                                 "is not a parameter partitioned by this runtime; names are "
                                 f"qualified as in model.named_parameters(), e.g. {next(iter(self._by_name))!r}")
         return rec
-
-    def describe_units(self) -> str:
-        """A table of the units: each one's module, parameter count, bytes and why it was chosen
-        (``units=``, ``_no_split_modules``, a module owning parameters, the root, and the small
-        modules merged into it); logged at INFO on the "paramfsm" logger with ``debug=True``."""
-        return describe(self.units)
 
     def state(self, param_or_name) -> State:
         return self.record(param_or_name).state
@@ -219,14 +207,10 @@ class Runtime:
         dcp.load(sd, checkpoint_id=path); rt.load_sharded_state_dict(sd)``. See
         :mod:`paramfsm.checkpoint` (also for optimizer state).
         """
-        from paramfsm import checkpoint  # DTensor and DCP: paid for by the first checkpoint, not by shard()
-
         return checkpoint.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict) -> None:
         """Load a state dict shaped like :meth:`sharded_state_dict` (any saving world size, via DCP)."""
-        from paramfsm import checkpoint
-
         checkpoint.load_sharded_state_dict(self, state_dict)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
