@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from paramfsm import accumulation, assembly, checkpoint, full_state, grad_norm, materialize, memory, teardown
+from paramfsm import accumulation, assembly, full_state, grad_norm, materialize, memory, teardown
 from paramfsm.core.spec import State
 from paramfsm.engine.events import graph_task as gt
 from paramfsm.engine.storage.units import ParamRecord
@@ -207,10 +207,14 @@ class Runtime:
         dcp.load(sd, checkpoint_id=path); rt.load_sharded_state_dict(sd)``. See
         :mod:`paramfsm.checkpoint` (also for optimizer state).
         """
+        from paramfsm import checkpoint  # DTensor and DCP: paid for by the first checkpoint, not by shard()
+
         return checkpoint.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict) -> None:
         """Load a state dict shaped like :meth:`sharded_state_dict` (any saving world size, via DCP)."""
+        from paramfsm import checkpoint
+
         checkpoint.load_sharded_state_dict(self, state_dict)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
