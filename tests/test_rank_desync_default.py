@@ -16,6 +16,8 @@ trains like plain torch with the check on.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,6 +26,7 @@ from torch import nn
 import paramfsm
 from paramfsm import RankDesync
 from paramfsm.testing import Reference, assert_close_dicts, global_batch, rank_slice, sharded_params
+from paramfsm.verify.reproduction import run_saved
 
 
 class Heads(nn.Module):
@@ -226,3 +229,17 @@ def test_a_branch_taken_alike_on_every_rank_trains_like_plain_torch(ranks2):
     for checked, chosen in ranks2.run(branch_job, timeout=90):
         assert checked == ("tag", True), checked  # the default: tags, and sizes agreed first
         assert chosen == ROUTES, chosen
+
+
+REPRODUCTIONS = Path(__file__).resolve().parent / "reproductions"
+
+
+def test_a_rank_that_never_waits_for_a_gather_of_another_unit_raises_rank_desync_too(ranks2):
+    """Each rank's loss reads another unit's output and one of the units is kept from its forward: the rank
+    whose unit is kept issues the bucket gather its peer waits for, never waits for it, and goes on to a
+    reduce-scatter. It reads its copy of that gather's tags before posting the reduce, so it raises
+    RankDesync as its peer does, instead of a CollectiveTimeout on one rank (a loop verify drew)."""
+    results = ranks2.run(run_saved, str(REPRODUCTIONS / "rank_loss_kept_unit.py"), timeout=240)
+    for status, output in results:
+        assert status == 0, output
+        assert "every rank raised RankDesync" in output, output

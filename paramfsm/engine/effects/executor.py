@@ -73,6 +73,7 @@ class Executor(Gathers):
         self._empty: dict[tuple, torch.Tensor] = {}
         self._grads: list = []  # (record, grad) waiting for the next reduce bucket
         self._had: dict = {}  # record -> whether this rank had its gradient, for those staged in unit order
+        self._unchecked: list = []  # tagged gathers issued and not waited yet, oldest first (see gathers.py)
         self._grad_bytes = 0
         self._reduces: list = []  # (ticket, records, layout) in flight
         # The rank-order check (paramfsm.engine.effects.rankcheck): "tag" rides in the bucket and, with
@@ -222,6 +223,8 @@ class Executor(Gathers):
 
     def _reduce(self, pending) -> None:
         """Issue one async reduce-scatter for ``pending`` (record, gradient) pairs."""
+        if self._unchecked:  # [Note: a reduce-scatter follows the check of the gathers before it] in gathers.py
+            self.check_gathers()
         payload = sum(-(-rec.numel // self.world) for rec, _ in pending)
         if self._had:
             pending = grad_flags.add_flags(pending, self._had, self.world)

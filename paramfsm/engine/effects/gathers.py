@@ -112,6 +112,8 @@ class Gathers:
             layout = kernels.shard_layout(numels, self.world) if numels else None
             gather = Gather(records, layout, tagged, in_place)
             gather.ticket = self.streams.launch(GATHER, self._issue_gather, gather, shards, dtype, named)
+            if tagged:
+                self._unchecked.append(gather)
             self.counters.all_gathers += 1
             self.counters.gathered_bytes += dtype.itemsize * (
                 (layout.total * self.world if layout is not None else 0)
@@ -185,11 +187,34 @@ class Gathers:
         if ticket is None:
             return
         gather.ticket = None
+        if gather.tagged:
+            self._unchecked.remove(gather)
         outs = self.streams.join(ticket)
         if outs is None:
             outs = self._finish_gather(gather)
         for rec, out in zip(gather.records, outs):
             rec.staged = out
+
+    def check_gathers(self) -> None:
+        """Wait for (and so check the tags of) every tagged gather issued and not waited for yet.
+
+        [Note: a reduce-scatter follows the check of the gathers before it]
+        A rank whose backward reaches other units than its peer's may issue a
+        gather it never waits for (a bucket opened by another unit, a prefetch
+        abandoned later) and go on to a reduce-scatter. The peer that did wait
+        for the paired gather read the tags and raised RankDesync, so it never
+        joins that reduce-scatter: posted, it would hang this rank until
+        CollectiveTimeout and leave its messages behind for the next exchange.
+        Both gathers moved (their sizes agreed), so reading this rank's copy of
+        the tags before posting the reduce-scatter raises the same RankDesync
+        here, with the same exchanges posted on both ranks. The gathers were
+        issued earlier on the same lane, so waiting for them costs little.
+        """
+        for gather in list(self._unchecked):
+            try:
+                self.wait_gather(gather)
+            except rankcheck.Dropped:
+                pass  # a gather of an epoch a refusal ended: recovery drops it, and so does this
 
     def _finish_gather(self, gather: Gather) -> list:
         """Wait for the all-gather(s) and unpack into full tensors, one per record.
