@@ -29,4 +29,8 @@ def __getattr__(name: str):
         from paramfsm.engine.storage.units import by_size
 
         return by_size
+    if name == "checkpoint":  # DCP and DTensor: imported by the first use, not by shard()
+        import importlib
+
+        return importlib.import_module("paramfsm.checkpoint")
     raise AttributeError(f"module 'paramfsm' has no attribute {name!r}")
