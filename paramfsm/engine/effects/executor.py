@@ -322,7 +322,6 @@ class Executor(Gathers):
         """
         self._grads, self._grad_bytes = [], 0
         self._had.clear()
-        self._unchecked.clear()  # gathers of the interrupted step: recovery resets their parameters
         reduces, self._reduces = self._reduces, []
         for ticket, records, _ in reduces:
             try:
