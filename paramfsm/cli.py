@@ -2,8 +2,8 @@
 
 Usage (also ``python -m paramfsm``)::
 
-    paramfsm spec check [FILE]                 validate a spec (the shipped one by default)
-    paramfsm spec draw [FILE] [-o OUT]         mermaid state diagram
+    paramfsm spec check [FILE]                 validate a spec, both machines (the shipped one by default)
+    paramfsm spec draw [FILE] [-o OUT] [--machine residency]   mermaid state diagram
     paramfsm trace check T.jsonl [--spec FILE] replay a trace; name the first illegal record
     paramfsm trace summary T.jsonl             time per state, gathers, deferred windows, leaks
     paramfsm trace export T.jsonl --perfetto OUT.json
@@ -75,11 +75,20 @@ def register_spec(subparsers) -> None:
     draw = commands.add_parser("draw", help="draw a spec as a mermaid state diagram")
     draw.add_argument("file", nargs="?", type=_input_file, help="spec TOML (default: the shipped spec)")
     draw.add_argument("-o", "--output", type=Path, help="write the diagram here instead of stdout")
+    draw.add_argument("--machine", choices=("lifetime", "residency"), default="lifetime",
+                      help="which machine of the spec to draw (default: lifetime)")
     draw.set_defaults(func=_spec_draw)
 
 
 def _spec_check(args) -> int:
-    spec = _load_spec(args.file)
+    """Validate the lifetime machine, and the residency machine when the file declares one."""
+    _summarize(_load_spec(args.file))
+    if _has_residency(args.file):
+        _summarize(_load_spec(args.file, "residency"))
+    return 0
+
+
+def _summarize(spec) -> None:
     kinds = {kind: sum(r.kind == kind for r in spec.rules) for kind in ("transition", "ignore", "error")}
     print(
         f"OK: {spec.file} defines '{spec.name}' with {len(spec.states)} states "
@@ -89,13 +98,12 @@ def _spec_check(args) -> int:
         f"covered by exactly one row for every extended state, no two guards overlap, holds never "
         f"go negative, and every state is reachable from {spec.initial}."
     )
-    return 0
 
 
 def _spec_draw(args) -> int:
     from paramfsm.core.machine import draw_mermaid
 
-    spec = _load_spec(args.file)
+    spec = _load_spec(args.file, args.machine)
     text = draw_mermaid(spec)
     if args.output is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
@@ -109,11 +117,20 @@ def _spec_draw(args) -> int:
     return 0
 
 
-def _load_spec(path: Path | None):
-    from paramfsm.core.spec import load_spec
+def _load_spec(path: Path | None, machine: str = "lifetime"):
+    from paramfsm.core.spec import load_residency_spec, load_spec
 
     try:
-        return load_spec(path)
+        return load_residency_spec(path) if machine == "residency" else load_spec(path)
+    except SpecError as exc:
+        raise CommandError(f"invalid spec: {exc}") from None
+
+
+def _has_residency(path: Path | None) -> bool:
+    from paramfsm.core.spec import has_residency
+
+    try:
+        return has_residency(path)
     except SpecError as exc:
         raise CommandError(f"invalid spec: {exc}") from None
 

@@ -353,7 +353,7 @@ def test_parsed_spec_keeps_names_docs_and_defaults():
 
 @pytest.mark.parametrize("where, edit, message", [
     ("extras", lambda r: r.__setitem__("extras", {"a": 1}),
-     "unknown top-level table; expected machine, states, events, transition, ignore, error"),
+     "unknown top-level table; expected machine, states, events, transition, ignore, error, residency"),
     ("states", lambda r: r["states"].__delitem__("INFLIGHT"), "missing states ['INFLIGHT']"),
     ("states.INFLIGHT", lambda r: r["states"].__setitem__("INFLIGHT", "gathering"), "must be a table"),
     ("states.INFLIGHT", lambda r: r["states"]["INFLIGHT"].__setitem__("holds", "some"),

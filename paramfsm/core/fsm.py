@@ -32,7 +32,7 @@ import time
 from collections import deque
 from typing import Mapping
 
-from paramfsm.core.spec import Spec, State, extended_states, load_spec
+from paramfsm.core.spec import Spec, State, extended_states, load_residency_spec, load_spec
 from paramfsm.errors import IllegalTransition
 
 TRANSITION, IGNORE, ERROR = "transition", "ignore", "error"
@@ -47,9 +47,9 @@ class Outcome:
 
     __slots__ = ("kind", "dst", "effects", "hold", "reset", "reason", "entry", "tag")
 
-    def __init__(self, rule, event: str, src: str):
+    def __init__(self, rule, event: str, src: str, states: type = State):
         self.kind = {TRANSITION: TRANSITION, IGNORE: IGNORE, ERROR: ERROR}[rule.kind]  # the module's constants
-        self.dst = State[rule.dst] if rule.dst else None
+        self.dst = states[rule.dst] if rule.dst else None
         self.effects: tuple[str, ...] = rule.effects
         delta = _HOLD_DELTA[rule.holds]
         self.reset = delta == 0
@@ -112,14 +112,15 @@ def ext_class(holds: int, keep_graph: bool, retained: bool) -> int:
 
 
 def compile_table(spec: Spec) -> Table:
-    """Compile a validated spec into the frozen hot-path table."""
-    cells: dict[State, dict[str, object]] = {}
+    """Compile one validated machine of a spec (lifetime or residency) into the frozen hot-path table."""
+    states = spec.kind.states
+    cells: dict = {}
     for state_spec in spec.states.values():
         row: dict[str, object] = {}
         for event in spec.events:
             rules = spec.rules_for(state_spec.name, event)
             by_class: list[Outcome | None] = [None] * 12
-            compiled = {id(r): Outcome(r, event, state_spec.name) for r in rules}
+            compiled = {id(r): Outcome(r, event, state_spec.name, states) for r in rules}
             for ext in extended_states(state_spec):
                 hit = next(r for r in rules if r.matches(*ext))
                 by_class[ext_class(*ext)] = compiled[id(hit)]
@@ -129,11 +130,12 @@ def compile_table(spec: Spec) -> Table:
             else:
                 filler = next(o for o in by_class if o is not None)
                 row[event] = tuple(o if o is not None else filler for o in by_class)
-        cells[State[state_spec.name]] = row
+        cells[states[state_spec.name]] = row
     return Table(spec, cells)
 
 
 _DEFAULT: Table | None = None
+_RESIDENCY: Table | None = None
 
 
 def default_table() -> Table:
@@ -142,6 +144,14 @@ def default_table() -> Table:
     if _DEFAULT is None:
         _DEFAULT = compile_table(load_spec())
     return _DEFAULT
+
+
+def residency_table() -> Table:
+    """The compiled residency machine of the shipped spec (``[residency]``), loaded once per process."""
+    global _RESIDENCY
+    if _RESIDENCY is None:
+        _RESIDENCY = compile_table(load_residency_spec())
+    return _RESIDENCY
 
 
 class Lifetime:
@@ -261,7 +271,8 @@ def step_many(table: Table, records, event: str, ctx: StepContext,
 
 def history(rec: Lifetime) -> list[tuple]:
     """``rec``'s recent transitions, oldest first, as (step, graph task, event, src, dst) with states."""
-    return [(s, g, event, State[src], State[dst]) for s, g, (event, src, dst, _) in map(_untag, rec.recent)]
+    states = type(rec.state)
+    return [(s, g, event, states[src], states[dst]) for s, g, (event, src, dst, _) in map(_untag, rec.recent)]
 
 
 def _untag(entry: tuple) -> tuple:
@@ -271,5 +282,7 @@ def _untag(entry: tuple) -> tuple:
 
 def _illegal(rec: Lifetime, event: str, ctx: StepContext, reason: str) -> IllegalTransition:
     recent = [f"step {s} graph_task {g}: {e}: {a} -> {b}" for s, g, (e, a, b, _) in map(_untag, rec.recent)]
+    if getattr(rec, "machine", "") == "residency":
+        reason = f"the residency of its {rec.kind}: {reason}"
     return IllegalTransition(param=rec.name, unit=rec.unit, state=rec.state.name, event=event,
                              rank=ctx.rank, reason=reason, holds=rec.holds, history=recent)

@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from paramfsm.core.spec import State
+from paramfsm.core.spec import Residency, State
+
+#: The state each machine rests in, not drawn: a lifetime's NOT_AVAILABLE, a residency's PAGED_OUT.
+_RESTING = {"": State.NOT_AVAILABLE.name, "residency": Residency.PAGED_OUT.name}
 
 
 def write_perfetto(records: list, path: str | Path) -> Path:
@@ -19,7 +22,9 @@ def write_perfetto(records: list, path: str | Path) -> Path:
     ``dst``. NOT_AVAILABLE spans are not drawn (it is the resting state), so
     the tracks show exactly when memory beyond the shard was live. A span
     still open at the end of the trace is closed at the last timestamp and
-    flagged ``open: true``; a leak shows up as such a span.
+    flagged ``open: true``; a leak shows up as such a span. An offloaded
+    value's residency has a track of its own beside its parameter's, where
+    PAGED_OUT is the resting state.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -30,15 +35,16 @@ def write_perfetto(records: list, path: str | Path) -> Path:
         tids: dict[tuple[int, str], int] = {}
         open_spans: dict[tuple[int, str], tuple] = {}
         for r in records:
-            key = (r.rank, r.param)
+            key = r.subject
             if key not in tids:
                 tids[key] = len(tids) + 1
+                label = f"{r.param} [{r.unit}]" + (f" {r.kind} residency" if r.machine else "")
                 events.append({"ph": "M", "name": "thread_name", "pid": r.rank, "tid": tids[key],
-                               "args": {"name": f"{r.param} [{r.unit}]"}})
+                               "args": {"name": label}})
             if key in open_spans:
                 state, start, first = open_spans.pop(key)
                 events.append(_span(state, start, r.t_ns, t0, r.rank, tids[key], first, closed_by=r))
-            if r.dst != State.NOT_AVAILABLE.name:
+            if r.dst != _RESTING.get(r.machine):
                 open_spans[key] = (r.dst, r.t_ns, r)
             if r.effects:
                 events.append({"ph": "i", "s": "t", "name": "+".join(r.effects), "pid": r.rank,
@@ -59,5 +65,5 @@ def _span(state, start, end, t0, pid, tid, first, closed_by) -> dict:
         args["open"] = True
     else:
         args["left_by"] = closed_by.event
-    return {"ph": "X", "name": state, "cat": "lifetime", "pid": pid, "tid": tid,
+    return {"ph": "X", "name": state, "cat": first.machine or "lifetime", "pid": pid, "tid": tid,
             "ts": (start - t0) / 1000.0, "dur": max((end - start) / 1000.0, 0.001), "args": args}

@@ -69,6 +69,27 @@ class State(enum.Enum):
         return f"State.{self.name}"
 
 
+class Residency(enum.Enum):
+    """Where the working copy of one offloaded value (a shard, its optimizer state) is, against its tier copy.
+
+    The second machine of the spec (``[residency]``); see [Note: two machines].
+    """
+
+    DIRTY = "DIRTY"
+    """Resident, and changed since it was last written to its tier (or never written)."""
+    RESIDENT = "RESIDENT"
+    """Resident, and equal to its tier copy: it may be dropped without a write."""
+    PAGING_IN = "PAGING_IN"
+    """Not usable yet: a read from the tier into a new working buffer is in flight."""
+    PAGED_OUT = "PAGED_OUT"
+    """Only the tier copy exists; the tensor holds no storage of its own."""
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"Residency.{self.name}"
+
+
 #: Guard name -> predicate over the extended state (holds, keep_graph, retained).
 GUARDS: Mapping[str, Callable[[int, bool, bool], bool]] = {
     "unheld": lambda holds, keep_graph, retained: holds == 0,
@@ -89,6 +110,12 @@ INVARIANTS = frozenset(
     {"data_empty", "data_full", "shard_intact", "no_handle", "pending_handle", "retained_graph_live"}
 )
 
+#: Effects the residency machine's rows may name (run by ``paramfsm.engine.effects.paging.Pager``).
+RESIDENCY_EFFECTS = frozenset({"start_read", "finish_read", "write_tier", "drop_resident"})
+
+#: Invariants a residency state may declare.
+RESIDENCY_INVARIANTS = frozenset({"working_copy", "tier_current", "read_pending", "no_working_copy"})
+
 HOLD_UPDATES = ("+1", "-1", "0")
 ROW_KINDS = ("transition", "ignore", "error")
 
@@ -101,6 +128,37 @@ _QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother = 3, 80, 80
 def _quote(value) -> str:
     """``repr(value)``, bounded in depth and length (see ``_QUOTE``)."""
     return _QUOTE.repr(value)
+
+
+@attrs.frozen(slots=True)
+class MachineKind:
+    """What one machine of the spec may name: its states, effects, invariants and guards.
+
+    [Note: two machines]
+    The spec file holds two machines. The lifetime machine (the top level)
+    says whether a parameter's full copy exists; the residency machine
+    (``[residency]``) says where the working copy of an offloaded value is
+    against its copy in host memory or on disk. They are separate machines,
+    not more states of one, because they are orthogonal: a parameter whose
+    full copy is AVAILABLE may have its shard paged out (the gather has
+    landed), and a NOT_AVAILABLE one may have it resident. As states of one
+    machine every lifetime state would be multiplied by every residency state,
+    and each new row written for each product. Both machines are validated,
+    compiled and replayed by the same code; they meet only in the schedule,
+    which steps a unit's shards to ``need`` and ``read`` before it steps the
+    parameters to ``fetch``.
+    """
+
+    key: str  # the top-level TOML table ("" for the lifetime machine)
+    states: type
+    effects: frozenset
+    invariants: frozenset
+    guards: Mapping
+    holders: bool  # whether states may declare holders (``holds = "any"``)
+
+
+LIFETIME = MachineKind("", State, EFFECTS, INVARIANTS, GUARDS, True)
+RESIDENCY = MachineKind("residency", Residency, RESIDENCY_EFFECTS, RESIDENCY_INVARIANTS, {}, False)
 
 
 @attrs.frozen(slots=True)
@@ -142,6 +200,7 @@ class Spec:
     states: Mapping[str, StateSpec]
     events: Mapping[str, str]
     rules: tuple[Rule, ...]
+    kind: MachineKind = LIFETIME
 
     def rules_for(self, state: str, event: str) -> tuple[Rule, ...]:
         return tuple(r for r in self.rules if r.src == state and r.event == event)
@@ -154,8 +213,26 @@ def extended_states(state: StateSpec) -> Iterator[tuple[int, bool, bool]]:
 
 
 def load_spec(path: str | Path | None = None) -> Spec:
-    """Read, validate and return the spec at ``path`` (the shipped spec by default)."""
+    """Read, validate and return the lifetime machine of the spec at ``path`` (the shipped spec by default)."""
     path = Path(path) if path is not None else DEFAULT_SPEC
+    return parse_spec(_read_toml(path), file=str(path))
+
+
+def load_residency_spec(path: str | Path | None = None) -> Spec:
+    """Read, validate and return the residency machine (``[residency]``) of the spec at ``path``."""
+    path = Path(path) if path is not None else DEFAULT_SPEC
+    raw = _read_toml(path)
+    if "residency" not in raw:
+        raise SpecError(path, "residency", "missing [residency] table: the spec declares no residency machine")
+    return parse_spec(raw["residency"], file=str(path), kind=RESIDENCY)
+
+
+def has_residency(path: str | Path | None = None) -> bool:
+    """Whether the spec at ``path`` declares a residency machine."""
+    return "residency" in _read_toml(Path(path) if path is not None else DEFAULT_SPEC)
+
+
+def _read_toml(path: Path) -> dict:
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -169,23 +246,32 @@ def load_spec(path: str | Path | None = None) -> Spec:
         raise SpecError(path, "file", f"not UTF-8 text: {exc}") from None
     except RecursionError:  # tomllib parses nested arrays and inline tables recursively
         raise SpecError(path, "toml", "arrays or inline tables nested too deeply to parse") from None
-    return parse_spec(raw, file=str(path))
+    return raw
 
 
-def parse_spec(raw: Mapping, file: str = "<spec>") -> Spec:
-    """Validate a spec already parsed from TOML (see the module docstring for the checks)."""
-    fail = lambda entry, reason: SpecError(file, entry, reason)  # noqa: E731
+def parse_spec(raw: Mapping, file: str = "<spec>", *, kind: MachineKind = LIFETIME) -> Spec:
+    """Validate one machine of a spec already parsed from TOML (see the module docstring for the checks).
+
+    ``kind`` says which machine ``raw`` is: the lifetime machine (the document's top level, whose
+    ``[residency]`` table, if any, is the other machine and is not looked at here) or the residency
+    machine (that table). Entries named in errors carry the machine's table as a prefix.
+    """
+    prefix = f"{kind.key}." if kind.key else ""
+    fail = lambda entry, reason: SpecError(  # noqa: E731
+        file, entry if entry.startswith(prefix) else prefix + entry, reason)
 
     if not isinstance(raw, Mapping):
         raise fail("toml", f"a spec is a TOML document (a table of tables), not {type(raw).__name__}")
     machine = _table(raw, "machine", fail)
     raw_states = _table(raw, "states", fail)
     raw_events = _table(raw, "events", fail)
-    unknown_top = set(raw) - {"machine", "states", "events", *ROW_KINDS}
+    nested = {"residency"} if kind is LIFETIME else set()
+    unknown_top = set(raw) - {"machine", "states", "events", *ROW_KINDS, *nested}
     if unknown_top:
-        raise fail(sorted(unknown_top)[0], f"unknown top-level table; expected machine, states, events, {', '.join(ROW_KINDS)}")
+        raise fail(sorted(unknown_top)[0], f"unknown top-level table; expected machine, states, events, "
+                                           f"{', '.join(ROW_KINDS)}{', residency' if nested else ''}")
 
-    known_states = {s.value for s in State}
+    known_states = {s.value for s in kind.states}
     states: dict[str, StateSpec] = {}
     for name, body in raw_states.items():
         entry = f"states.{name}"
@@ -193,13 +279,14 @@ def parse_spec(raw: Mapping, file: str = "<spec>") -> Spec:
             raise fail(entry, f"unknown state; the runtime knows {sorted(known_states)}")
         if not isinstance(body, dict):
             raise fail(entry, "must be a table")
-        holds = body.get("holds", "any")
-        if holds not in ("zero", "any"):
-            raise fail(entry, f"holds must be 'zero' or 'any', not {_quote(holds)}")
+        holds = body.get("holds", "any" if kind.holders else "zero")
+        if holds not in ("zero", "any") or (holds == "any" and not kind.holders):
+            allowed = "'zero' or 'any'" if kind.holders else "'zero' (this machine counts no holders)"
+            raise fail(entry, f"holds must be {allowed}, not {_quote(holds)}")
         invariants = tuple(_name_list(body.get("invariants", []), entry, "invariants", fail))
         for inv in invariants:
-            if inv not in INVARIANTS:
-                raise fail(entry, f"unknown invariant {inv!r}; known: {sorted(INVARIANTS)}")
+            if inv not in kind.invariants:
+                raise fail(entry, f"unknown invariant {inv!r}; known: {sorted(kind.invariants)}")
         states[name] = StateSpec(name, _text(body.get("doc", ""), entry, "doc", fail), holds == "zero", invariants)
     missing = known_states - set(states)
     if missing:
@@ -209,10 +296,10 @@ def parse_spec(raw: Mapping, file: str = "<spec>") -> Spec:
     initial = machine.get("initial")
     if not isinstance(initial, str) or initial not in states:
         raise fail("machine.initial", f"unknown initial state {_quote(initial)}")
-    name = _text(machine.get("name", "param_lifetime"), "machine.name", "the machine's name", fail)
+    name = _text(machine.get("name", kind.key or "param_lifetime"), "machine.name", "the machine's name", fail)
 
-    rules = tuple(_parse_rules(raw, states, events, fail))
-    spec = Spec(file, name, initial, states, events, rules)
+    rules = tuple(_parse_rules(raw, states, events, kind, fail))
+    spec = Spec(file, name, initial, states, events, rules, kind)
     _check_table(spec, fail)
     _check_reachable(spec, fail)
     return spec
@@ -245,7 +332,7 @@ def _name_list(value, entry: str, what: str, fail) -> list[str]:
     raise fail(entry, f"{what} must be a list of names, like [\"a\", \"b\"]")
 
 
-def _parse_rules(raw, states, events, fail) -> Iterator[Rule]:
+def _parse_rules(raw, states, events, machine: MachineKind, fail) -> Iterator[Rule]:
     allowed = {
         "transition": {"src", "event", "when", "dst", "effects", "holds", "reason"},
         "ignore": {"src", "event", "when", "reason"},
@@ -274,8 +361,9 @@ def _parse_rules(raw, states, events, fail) -> Iterator[Rule]:
             when = []
             for guard in _name_list(row.get("when", []), entry, "when", fail):
                 name, negated = (guard[1:], True) if guard.startswith("!") else (guard, False)
-                if name not in GUARDS:
-                    raise fail(entry, f"unknown guard {name!r}; known: {sorted(GUARDS)}")
+                if name not in machine.guards:
+                    known = sorted(machine.guards) or "none (this machine has no guards)"
+                    raise fail(entry, f"unknown guard {name!r}; known: {known}")
                 when.append((name, negated))
             dst, effects, holds = None, (), None
             if kind == "transition":
@@ -286,17 +374,20 @@ def _parse_rules(raw, states, events, fail) -> Iterator[Rule]:
                     raise fail(entry, f"unknown dst state {dst!r}")
                 effects = tuple(_name_list(row.get("effects", []), entry, "effects", fail))
                 for eff in effects:
-                    if eff not in EFFECTS:
-                        raise fail(entry, f"unknown effect {eff!r}; known: {sorted(EFFECTS)}")
+                    if eff not in machine.effects:
+                        raise fail(entry, f"unknown effect {eff!r}; known: {sorted(machine.effects)}")
                 holds = row.get("holds")
+                if holds is not None and not machine.holders:
+                    raise fail(entry, "this machine counts no holders: a row cannot change holds")
                 if holds is not None and holds not in HOLD_UPDATES:
                     raise fail(entry, f"holds must be one of {HOLD_UPDATES}, not {_quote(holds)}")
             elif not row.get("reason"):
                 raise fail(entry, f"an {kind} row needs a reason")
             reason = _text(row.get("reason", ""), entry, "reason", fail)
+            named = f"{machine.key}.{entry}" if machine.key else entry
             for src in srcs:
                 for ev in evs:
-                    yield Rule(kind, src, ev, tuple(when), dst, effects, holds, reason, f"{entry} ({src}, {ev})")
+                    yield Rule(kind, src, ev, tuple(when), dst, effects, holds, reason, f"{named} ({src}, {ev})")
 
 
 def _check_table(spec: Spec, fail) -> None:

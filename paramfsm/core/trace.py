@@ -25,7 +25,7 @@ from typing import Iterable, Iterator
 
 from paramfsm.core.fsm import TAGS
 from paramfsm.core.perfetto import write_perfetto
-from paramfsm.core.spec import State
+from paramfsm.core.spec import Residency, State
 from paramfsm.core.trace_record import FIELDS, SNAPSHOT, TraceRecord, iter_jsonl
 
 __all__ = ["DEFAULT_RING", "FIELDS", "SNAPSHOT", "STREAM_BATCH", "Trace", "TraceRecord", "iter_jsonl"]
@@ -193,8 +193,17 @@ class Trace:
 
     def _record(self, e) -> TraceRecord:
         seq, t_ns, step, graph_task, rec, event, src, dst, effects, keep_graph, retained, holds = e
+        machine, kind = _about(rec)
         return TraceRecord(seq, t_ns, self.rank, step, graph_task, rec.name, rec.unit, event, src.name, dst.name,
-                           effects, bool(keep_graph), bool(retained), holds, rec.nbytes, self.digest, self.coord)
+                           effects, bool(keep_graph), bool(retained), holds, rec.nbytes, self._digest(machine),
+                           self.coord, machine, kind)
+
+    def _digest(self, machine: str) -> str:
+        """The digest a record of ``machine`` carries: the lifetime spec's, or the residency machine's."""
+        if not machine:
+            return self.digest
+        from paramfsm.core.fsm import residency_table
+        return residency_table().digest
 
     @property
     def records(self) -> list[TraceRecord]:
@@ -227,7 +236,8 @@ class Trace:
             start.setdefault(rec, (rec.state, rec.holds))
         t_ns, step, graph_task = (window[0][1], window[0][2], window[0][3]) if window else (0, 0, -1)
         return [TraceRecord(first_seq, t_ns, self.rank, step, graph_task, rec.name, rec.unit, SNAPSHOT,
-                            state.name, state.name, (), False, False, holds, rec.nbytes, self.digest, self.coord)
+                            state.name, state.name, (), False, False, holds, rec.nbytes,
+                            self._digest(_about(rec)[0]), self.coord, *_about(rec))
                 for rec, (state, holds) in start.items() if state.name != _RESTING or holds]
 
     @property
@@ -250,15 +260,18 @@ class Trace:
         seq, t_ns, step, graph_task, rec, event, src, dst, effects, keep_graph, retained, holds = e
         about = self._about.get(rec)
         if about is None:
-            about = self._about[rec] = (json.dumps(rec.name), json.dumps(rec.unit), rec.nbytes)
-        name, unit, nbytes = about
+            machine, kind = _about(rec)
+            which = f',"machine":"{machine}","kind":"{kind}"' if machine else ""
+            about = self._about[rec] = (json.dumps(rec.name), json.dumps(rec.unit), rec.nbytes,
+                                        self._digest(machine), which)
+        name, unit, nbytes, digest, which = about
         listed = self._effects.get(effects)
         if listed is None:
             listed = self._effects[effects] = json.dumps(list(effects), separators=(",", ":"))
         return (f'{{"seq":{seq},"t_ns":{t_ns},"rank":{self.rank},"step":{step},"graph_task":{graph_task},'
                 f'"param":{name},"unit":{unit},"event":"{event}","src":"{src.name}","dst":"{dst.name}",'
                 f'"effects":{listed},"keep_graph":{_BOOL[bool(keep_graph)]},"retained":{_BOOL[bool(retained)]},'
-                f'"holds":{holds},"nbytes":{nbytes},"spec":"{self.digest}"{self._coord_json}}}\n')
+                f'"holds":{holds},"nbytes":{nbytes},"spec":"{digest}"{self._coord_json}{which}}}\n')
 
     def close(self) -> None:
         """Flush and close a streamed trace's file (the records stay readable)."""
@@ -316,7 +329,13 @@ class Trace:
 
 _RESTING = State.NOT_AVAILABLE.name
 _entry_seq = itemgetter(0)  # a raw entry's seq
-_STATES = {state.name: state for state in State}
+_STATES = {state.name: state for machine in (State, Residency) for state in machine}
+
+
+def _about(rec) -> tuple[str, str]:
+    """(machine, kind) of a stepped record: ("", "") for a parameter's lifetime."""
+    machine = getattr(rec, "machine", "")
+    return (machine, rec.kind) if machine else ("", "")
 #: Groups of records whose numbers a trace remembers (a bound, so odd groups cannot grow it for ever).
 _GROUPS_KEPT = 4096
 _BOOL = {False: "false", True: "true"}

@@ -17,7 +17,7 @@ import attrs
 #: The event of a snapshot record: the parameter's state and holders where a trace window opens.
 SNAPSHOT = "snapshot"
 FIELDS = ("seq", "t_ns", "rank", "step", "graph_task", "param", "unit", "event", "src", "dst",
-          "effects", "keep_graph", "retained", "holds", "nbytes", "spec", "coord")
+          "effects", "keep_graph", "retained", "holds", "nbytes", "spec", "coord", "machine", "kind")
 
 
 @attrs.frozen(slots=True)
@@ -41,13 +41,22 @@ class TraceRecord:
     nbytes: int = 0  # bytes of the full parameter
     spec: str = ""  # digest of the spec the run stepped under (paramfsm.core.fsm.Table.digest)
     coord: tuple[int, ...] = ()  # hybrid sharding: (replica, shard rank) on the device mesh; () otherwise
+    machine: str = ""  # "" for the lifetime machine, "residency" for an offloaded value's residency
+    kind: str = ""  # a residency record's value: "shard", "grad" or "optim"
 
     def to_json(self) -> dict:
-        """The record as a JSON object (``coord`` only under hybrid sharding)."""
+        """The record as a JSON object (``coord`` only under hybrid sharding, ``machine`` and ``kind`` only
+        for residency records)."""
         out = {f: (list(v) if f in ("effects", "coord") else v) for f, v in zip(FIELDS, attrs.astuple(self))}
-        if not self.coord:
-            del out["coord"]
+        for field in ("coord", "machine", "kind"):
+            if not out[field]:
+                del out[field]
         return out
+
+    @property
+    def subject(self) -> tuple:
+        """What one sequence of records is about: (rank, machine, kind, parameter)."""
+        return self.rank, self.machine, self.kind, self.param
 
     @classmethod
     def from_json(cls, obj: dict) -> "TraceRecord":
@@ -73,7 +82,7 @@ def _is_int(value) -> bool:
 
 _FIELD_CHECKS = {
     **dict.fromkeys(("seq", "t_ns", "rank", "step", "graph_task", "holds", "nbytes"), _is_int),
-    **dict.fromkeys(("param", "unit", "event", "src", "dst", "spec"), lambda v: isinstance(v, str)),
+    **dict.fromkeys(("param", "unit", "event", "src", "dst", "spec", "machine", "kind"), lambda v: isinstance(v, str)),
     **dict.fromkeys(("keep_graph", "retained"), lambda v: isinstance(v, bool)),
     "effects": lambda v: isinstance(v, list) and all(isinstance(e, str) for e in v),
     "coord": lambda v: isinstance(v, list) and all(_is_int(c) for c in v),
