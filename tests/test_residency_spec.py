@@ -17,9 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramfsm.core.fsm import StepContext, compile_table, default_table, residency_table, step
+from paramfsm.core.fsm import Placement, StepContext, compile_table, default_table, residency_table, step
 from paramfsm.core.machine import draw_mermaid
-from paramfsm.core.placement import Placement
 from paramfsm.core.replay import final_states, replay
 from paramfsm.core.spec import (DEFAULT_SPEC, RESIDENCY, RESIDENCY_EFFECTS, Residency, load_residency_spec,
                                 parse_spec)

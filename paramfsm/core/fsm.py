@@ -32,7 +32,7 @@ import time
 from collections import deque
 from typing import Mapping
 
-from paramfsm.core.spec import Spec, State, extended_states, load_residency_spec, load_spec
+from paramfsm.core.spec import Residency, Spec, State, extended_states, load_residency_spec, load_spec
 from paramfsm.errors import IllegalTransition
 
 TRANSITION, IGNORE, ERROR = "transition", "ignore", "error"
@@ -166,6 +166,36 @@ class Lifetime:
         self.state = State.NOT_AVAILABLE
         self.holds = 0
         self.recent: deque = deque(maxlen=HISTORY)
+
+
+class Placement:
+    """The residency record of one offloaded value: what the residency machine (``[residency]``) steps.
+
+    To the residency machine what :class:`Lifetime` is to the lifetime machine: the
+    same :func:`step` moves both, through their own compiled tables. ``kind`` says
+    which value of the parameter it is (see :data:`PLACEMENT_KINDS`).
+    """
+
+    __slots__ = ("name", "unit", "kind", "nbytes", "state", "holds", "recent", "__weakref__")
+    machine = "residency"  # which machine's records these are, in traces and messages
+
+    def __init__(self, name: str, unit: str, kind: str, nbytes: int = 0):
+        if kind not in PLACEMENT_KINDS:
+            raise ValueError(f"a placement's kind is one of {PLACEMENT_KINDS}, not {kind!r}")
+        self.name = name
+        self.unit = unit
+        self.kind = kind
+        self.nbytes = nbytes  # bytes of the value on this rank
+        self.state = Residency.DIRTY
+        self.holds = 0  # the residency machine counts no holders; step() reads it
+        self.recent: deque = deque(maxlen=HISTORY)
+
+    def __repr__(self) -> str:
+        return f"<Placement {self.kind} of {self.name!r} [{self.unit}] {self.state.name}>"
+
+
+#: What a placement's ``kind`` may be: a parameter's shard, its shard gradient, its optimizer state.
+PLACEMENT_KINDS = ("shard", "grad", "optim")
 
 
 class StepContext:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import importlib.resources
-import itertools
 import reprlib
 import tomllib
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Callable, Iterator, Mapping
 
 import attrs
 
+from paramfsm.core.spec_table import check_reachable, check_table, extended_states  # noqa: F401 (re-exported)
 from paramfsm.errors import SpecError
 
 
@@ -206,12 +206,6 @@ class Spec:
         return tuple(r for r in self.rules if r.src == state and r.event == event)
 
 
-def extended_states(state: StateSpec) -> Iterator[tuple[int, bool, bool]]:
-    """Every class of extended state a parameter in ``state`` can be in (holds 2 stands for >= 2)."""
-    holds_values = (0,) if state.holds_zero else (0, 1, 2)
-    return itertools.product(holds_values, (False, True), (False, True))
-
-
 def load_spec(path: str | Path | None = None) -> Spec:
     """Read, validate and return the lifetime machine of the spec at ``path`` (the shipped spec by default)."""
     path = Path(path) if path is not None else DEFAULT_SPEC
@@ -300,8 +294,8 @@ def parse_spec(raw: Mapping, file: str = "<spec>", *, kind: MachineKind = LIFETI
 
     rules = tuple(_parse_rules(raw, states, events, kind, fail))
     spec = Spec(file, name, initial, states, events, rules, kind)
-    _check_table(spec, fail)
-    _check_reachable(spec, fail)
+    check_table(spec, fail)
+    check_reachable(spec, fail)
     return spec
 
 
@@ -388,47 +382,3 @@ def _parse_rules(raw, states, events, machine: MachineKind, fail) -> Iterator[Ru
             for src in srcs:
                 for ev in evs:
                     yield Rule(kind, src, ev, tuple(when), dst, effects, holds, reason, f"{named} ({src}, {ev})")
-
-
-def _check_table(spec: Spec, fail) -> None:
-    """Exactly one row must match every (state, event, extended state): total and unambiguous."""
-    for state in spec.states.values():
-        for event in spec.events:
-            rows = spec.rules_for(state.name, event)
-            for ext in extended_states(state):
-                hits = [r for r in rows if r.matches(*ext)]
-                holds, keep_graph, retained = ext
-                where = f"holds={'>=2' if holds == 2 else holds}, keep_graph={keep_graph}, retained={retained}"
-                if not hits:
-                    raise fail(
-                        f"({state.name}, {event})",
-                        f"table is not total: no row covers {where}; add a transition, ignore or error row",
-                    )
-                if len(hits) > 1:
-                    raise fail(
-                        hits[1].entry,
-                        f"guards overlap with {hits[0].entry} for {where}; make the guards exclusive",
-                    )
-                after = _holds_after(hits[0], holds)
-                if hits[0].kind == "transition" and after < 0:
-                    raise fail(hits[0].entry, f"holds would go negative for {where}")
-                dst = spec.states.get(hits[0].dst) if hits[0].dst else None
-                if dst is not None and dst.holds_zero and after != 0:
-                    raise fail(hits[0].entry, f"{dst.name} allows no holders but holds would be {after} for {where}")
-
-
-def _holds_after(rule: Rule, holds: int) -> int:
-    return {None: holds, "+1": holds + 1, "-1": holds - 1, "0": 0}[rule.holds]
-
-
-def _check_reachable(spec: Spec, fail) -> None:
-    seen, frontier = {spec.initial}, [spec.initial]
-    while frontier:
-        src = frontier.pop()
-        for rule in spec.rules:
-            if rule.kind == "transition" and rule.src == src and rule.dst not in seen:
-                seen.add(rule.dst)
-                frontier.append(rule.dst)
-    for name in spec.states:
-        if name not in seen:
-            raise fail(f"states.{name}", f"unreachable from the initial state {spec.initial}")
