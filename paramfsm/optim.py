@@ -40,6 +40,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from paramfsm import offload_step
 from paramfsm.accumulation import refuse_step
 from paramfsm.engine.effects.grad_sync import UNSYNCED
 from paramfsm.engine.storage.partitioned import OWNERS, record_of
@@ -72,16 +73,26 @@ def install(records=(), scheduler=None) -> None:
 
 
 def _before_step(optimizer, args, kwargs) -> None:
+    if offload_step.inner():  # one unit's step inside an offloaded step (paramfsm.offload_step)
+        return
+    offload_step.restore_if_left(optimizer)
     if UNSYNCED:  # gradients kept under rt.no_sync are never stepped (paramfsm.accumulation)
         refuse_step(optimizer)
+    writers = _map(optimizer)
+    if writers is not None:
+        _refuse_local_scaler(optimizer)
+        _announce_writes(optimizer, writers)
+        _step_offloaded(optimizer, writers, args, kwargs)
+
+
+def _map(optimizer):
+    """Map ``optimizer``'s param groups to shards (cached per generation); the ``(scheduler, records)``
+    pairs its step writes, or None when it steps no shard."""
     seen = _MAPPED.get(optimizer)
     if seen is not None and seen[:2] == (_generation, len(optimizer.param_groups)):
-        if seen[2]:
-            _refuse_local_scaler(optimizer)
-            _announce_writes(optimizer, seen[3])
-        return
+        return seen[3] if seen[2] else None
     if not OWNERS:
-        return
+        return None
     fresh = seen is None or seen[0] != _generation
     start = 0 if fresh else seen[1]
     sharded = False if fresh else seen[2]
@@ -93,9 +104,14 @@ def _before_step(optimizer, args, kwargs) -> None:
         sharded = sharded or any(p in _SHARDS for p in params)
     writers = _writers(optimizer) if sharded else ()
     _MAPPED[optimizer] = (_generation, len(optimizer.param_groups), sharded, writers)
-    if sharded:
-        _refuse_local_scaler(optimizer)
-        _announce_writes(optimizer, writers)
+    return writers if sharded else None
+
+
+def _step_offloaded(optimizer, writers, args, kwargs) -> None:
+    """Step the shards of offloading runtimes unit by unit now (see paramfsm.offload_step)."""
+    offloading = offload_step.offloading(writers)
+    if offloading:
+        offload_step.step_by_unit(optimizer, offloading, args, kwargs)
 
 
 def _writers(optimizer) -> tuple:
@@ -124,7 +140,9 @@ def _announce_writes(optimizer, writers) -> None:
     """
     why = f"{type(optimizer).__name__}.step()"
     for scheduler, records in writers:
-        scheduler.shards_written(records, tuple([rec for rec in records if rec.shard.grad is not None]), why)
+        paging = getattr(scheduler, "offload_plan", None) is None  # else stepped unit by unit, paging itself
+        scheduler.shards_written(records, tuple([rec for rec in records if rec.shard.grad is not None]), why,
+                                 paging=paging)
 
 
 def _refuse_local_scaler(optimizer) -> None:
@@ -155,8 +173,10 @@ def _refuse_local_scaler(optimizer) -> None:
 
 
 def map_optimizer(optimizer) -> None:
-    """Map ``optimizer`` now rather than at its first step (what the hook does; idempotent)."""
-    _before_step(optimizer, (), {})
+    """Map ``optimizer`` now rather than at its first step (what the hook does first; idempotent).
+
+    Only the mapping: nothing is stepped, and no write is announced."""
+    _map(optimizer)
 
 
 def _shard_for(optimizer, param):

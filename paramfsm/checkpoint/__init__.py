@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from paramfsm import meta
+from paramfsm import meta, optim
 from paramfsm.core.spec import State
 from paramfsm.errors import ParamFSMError
 
@@ -140,6 +140,7 @@ def _optim_names(rt, optimizer) -> dict[int, str]:
 
 def _init_optim_state(optimizer) -> None:
     """Create the optimizer's state tensors (one zero-gradient step that leaves shards unchanged)."""
+    optim.map_optimizer(optimizer)  # a new optimizer over model.parameters() is mapped at its first step
     shards = [p for group in optimizer.param_groups for p in group["params"]]
     if all(optimizer.state.get(p) for p in shards):
         return
