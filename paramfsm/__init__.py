@@ -15,7 +15,7 @@ from paramfsm.errors import (
 
 __all__ = ["shard", "by_size", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync",
            "CollectiveTimeout", "NotGathered", "ModelMismatch", "ModelChanged", "ArgumentError", "ArgumentTypeError",
-           "UnsupportedOutput"]
+           "UnsupportedOutput", "Offload"]
 __version__ = "0.1.0"
 
 
@@ -25,6 +25,10 @@ def __getattr__(name: str):
         from paramfsm import runtime
 
         return getattr(runtime, name)
+    if name == "Offload":
+        from paramfsm.offload import Offload
+
+        return Offload
     if name == "by_size":
         from paramfsm.engine.storage.units import by_size
 

@@ -35,6 +35,7 @@ from paramfsm.engine.storage import partitioned, placeholder
 from paramfsm.engine.storage.units import build_units, select_unit_modules
 from paramfsm.engine.storage.unsupported import refuse_unsupported
 from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
+from paramfsm.offload import plan as offload_plan
 
 RETAIN_POLICIES = ("defer", "regather")
 # Weak registries (they never keep a model alive): sharded models, and each partitioned
@@ -164,7 +165,7 @@ def apply_reshard_policy(rt, policy) -> None:
 
 def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
              bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh, replicate_group,
-             device=None, device_mesh=None, sync_module_states: bool = False) -> None:
+             device=None, device_mesh=None, sync_module_states: bool = False, offload=None) -> None:
     """Partition ``model``'s parameters and wire the layers onto ``rt`` (the fields the facade reads)."""
     rt.model = model
     refuse_unsupported(model)
@@ -205,6 +206,9 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
     for rec in records:
         partitioned.adopt(rec.param, rec, trace_rank)
         rt.executor.free((rec,))
+    rt.offload = offload_plan(rt, offload)
+    if rt.offload is not None:
+        rt.scheduler.attach_offload(rt.offload)
     rt._handles = hooks.install(model, rt.units, records, rt.scheduler.emit)
     rt._watch = model_changes.watch(model, records, trace_rank)
     rt._handles.append(model.register_forward_pre_hook(eager(lambda module, args: rt._watch.check()), prepend=True))

@@ -174,3 +174,18 @@ class UnsupportedOutput(ParamFSMError):
             "begins: that backward would run without the unit's parameters gathered. What to do: return a "
             "tensor, or a tuple, list, dict, dataclass or namedtuple of them (nested as deep as you like), or "
             f"register {type_name} with torch.utils._pytree.register_pytree_node so its tensors can be found.")
+
+
+class OffloadError(ParamFSMError):
+    """The offload tier could not hold a value (a folder that cannot be written, a full disk, a size that
+    changed): names the parameter, the rank and the folder. The working copy is kept, so nothing is lost."""
+
+
+class StaleOffloadCopy(ParamFSMError):
+    """A tier copy older than the working value was about to be read back (a write-back was lost):
+    refused, never returned. Names the parameter, what of it (shard or optimizer state) and the rank."""
+
+
+class NotResident(ParamFSMError):
+    """An offloaded value (a shard, an optimizer state tensor) was read while paged out and could not be
+    paged in for the reader: names the parameter, what of it, the rank and what to do."""

@@ -11,6 +11,7 @@ of its shard and adds nothing.
 from __future__ import annotations
 
 from paramfsm.core.spec import State
+from paramfsm.engine.storage import paged
 
 #: The kinds, in the order they are reported.
 KINDS = ("shards", "shard_grads", "gathered", "inflight", "deferred", "unsynced_grads")
@@ -26,12 +27,19 @@ def memory(rt) -> dict[str, int]:
     full parameters whose all-gather is in flight; ``deferred``: full
     parameters kept in DEFERRED_RELEASE for a retained graph's next backward;
     ``unsynced_grads``: full gradients kept under ``rt.no_sync()``.
+
+    Under offload (``paramfsm.shard(..., offload=...)``) ``shards`` counts only
+    the shards resident in working memory, and three more kinds report the
+    tiers: ``tier_cpu`` and ``tier_disk``, the bytes each tier holds (shards
+    and optimizer state), and ``offload_resident``, the bytes of offloaded
+    values (shards and optimizer state) now in working memory.
     """
     held = dict.fromkeys(KINDS, 0)
     by_state = {State.AVAILABLE: "gathered", State.INFLIGHT: "inflight", State.DEFERRED_RELEASE: "deferred"}
     for rec in rt._by_id.values():
         shard = rec.shard
-        held["shards"] += shard.numel() * shard.element_size()
+        if not paged.is_paged_out(shard):
+            held["shards"] += shard.numel() * shard.element_size()
         if shard.grad is not None:
             held["shard_grads"] += shard.grad.numel() * shard.grad.element_size()
         kind = by_state.get(rec.state)
@@ -40,12 +48,15 @@ def memory(rt) -> dict[str, int]:
             size = data.numel() * data.element_size()
             held[kind] += size if size else rec.numel * (rt.executor.param_dtype or shard.dtype).itemsize
     held["unsynced_grads"] = rt.executor.unsynced.nbytes
+    plan = getattr(rt, "offload", None)
+    if plan is not None:
+        held.update(plan.memory())
     return held
 
 
 def describe(held: dict[str, int]) -> str:
-    """One line: ``shards 1.0 MiB, shard_grads 0 B, ...``."""
-    return ", ".join(f"{kind} {_size(held[kind])}" for kind in KINDS)
+    """One line: ``shards 1.0 MiB, shard_grads 0 B, ...`` (and the tiers', under offload)."""
+    return ", ".join(f"{kind} {_size(value)}" for kind, value in held.items())
 
 
 def _size(n: int) -> str:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from paramfsm import accumulation, assembly, full_state, grad_norm, materialize, memory, teardown
+from paramfsm import offload as offload_module
 from paramfsm.core.spec import State
 from paramfsm.engine.events import graph_task as gt
 from paramfsm.engine.storage.units import ParamRecord
@@ -26,7 +27,7 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
           prefetch: int = 1, trace=False, spec=None, *, strict: bool = False,
           bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False,
           collective_timeout: float | None = None, mesh=None, device=None,
-          sync_module_states: bool = False, reshard_after_forward=True) -> "Runtime":
+          sync_module_states: bool = False, reshard_after_forward=True, offload=None) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
     ``units``: None (every module owning parameters directly), ``by_size(...)``,
@@ -81,7 +82,11 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     memory); a predicate ``(name, module) -> bool`` decides per unit (``""`` is
     the root: ``lambda name, module: name != ""`` keeps only the root, FSDP2's
     default). See :mod:`paramfsm.engine.schedule.reshard`.
+    ``offload``: None, a :class:`paramfsm.Offload` (where every unit's shards and optimizer state
+    live: working memory, ``"cpu"`` or ``"disk"``), or a predicate ``(name, module) -> Offload | None``
+    choosing per unit; see :mod:`paramfsm.offload`.
     """
+    offload_module.check_offload(offload)
     group, replicate_group, limit, units = assembly.check_arguments(
         model, group, units, mesh, retain=retain, max_deferred_bytes=max_deferred_bytes, prefetch=prefetch,
         trace=trace, spec=spec, strict=strict, bucket_bytes=bucket_bytes, param_dtype=param_dtype,
@@ -90,7 +95,7 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     rt = Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                  bucket_bytes, param_dtype, reduce_dtype, debug, limit,
                  mesh if replicate_group is not None else None, replicate_group, device, mesh,
-                 sync_module_states=sync_module_states)
+                 sync_module_states=sync_module_states, offload=offload)
     assembly.apply_reshard_policy(rt, reshard_after_forward)
     return rt
 
@@ -100,10 +105,12 @@ class Runtime:
 
     def __init__(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                  bucket_bytes, param_dtype, reduce_dtype, debug=False, collective_timeout=600.0,
-                 mesh=None, replicate_group=None, device=None, device_mesh=None, *, sync_module_states=False):
+                 mesh=None, replicate_group=None, device=None, device_mesh=None, *, sync_module_states=False,
+                 offload=None):
         assembly.assemble(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                           bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh,
-                          replicate_group, device, device_mesh, sync_module_states=sync_module_states)
+                          replicate_group, device, device_mesh, sync_module_states=sync_module_states,
+                          offload=offload)
 
     # ------------------------------------------------------------------ lookup
     def record(self, param_or_name):

@@ -34,8 +34,16 @@ def _forget(rt) -> None:
         PARTITIONED.pop(rec.param, None)
 
 
+def _page_in(rt, strict: bool = True) -> None:
+    """Bring every offloaded value back into working memory and remove the tiers' files."""
+    plan, rt.offload = getattr(rt, "offload", None), None
+    if plan is not None:
+        plan.close(strict=strict)
+
+
 def detach(rt) -> None:
     """Remove every hook and forget the model; parameters stay as they are (their shards are lost)."""
+    _page_in(rt, strict=False)  # detach follows failures: it must not raise
     remove_hooks(rt)
     for rec in rt._by_id.values():
         partitioned.release(rec.param)
@@ -48,6 +56,7 @@ def close(rt) -> nn.Module:
         return rt.model
     accumulation.require_synced(rt, "rt.close()")  # it would hand back a partial .grad
     rt.flush()
+    _page_in(rt)
     with rt._reporting():
         fulls = {id(rec): full_state.gather(rt, rec, rec.shard) for rec in rt._by_id.values()}
         grads = {id(rec): full_state.gather(rt, rec, rec.shard.grad, full_state.GRADIENT)

@@ -5,7 +5,7 @@ from another class of the engine (the old ``Scheduler(BackwardHandlers, ...)``
 shape), and no class reads or writes a data attribute that another class of
 the room assigns, through one of its own references (``self.<ref>.<attr>``).
 Components ask each other through methods; the plain records they share
-(``TaskState``, ``PassState``, ``Plan``) are exempt. Each rule is shown to
+(``TaskState``, ``PassState``, ``Plan``, an offloaded value's ``Paged``) are exempt. Each rule is shown to
 catch a planted violation.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOM = Path(__file__).resolve().parent.parent / "paramfsm" / "engine" / "schedule"
 #: Plain records whose fields their holders read directly.
-RECORDS = {"TaskState", "PassState", "Plan"}
+RECORDS = {"TaskState", "PassState", "Plan", "Paged"}
 
 
 def _classes(sources: dict[str, str]) -> dict[str, ast.ClassDef]:

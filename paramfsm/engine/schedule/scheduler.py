@@ -83,6 +83,9 @@ class Scheduler:
         self.on_demand = OnDemand(self._records, self._accepting, self.emit, step_one, self.prefetch, self.holds)
         self.on_demand.attach(self.graph)
         writes = ShardWrites(step_one, self.holds.release_kept)
+        # Offloaded shards and optimizer state (paramfsm.engine.schedule.residency), or None; the plan
+        # (tiers, which units offload what) is the facade's (paramfsm.offload); see attach_offload.
+        self.residency = self.offload_plan = None
         self._effects = self._effect_runners()
         graph = self.graph
         self._handlers = {
@@ -99,7 +102,7 @@ class Scheduler:
     def _effect_runners(self) -> dict:
         """Effect name (as the spec writes it) -> what runs it, for a sequence of records."""
         executor = self.executor
-        return {
+        runners = {
             "start_gather": self.prefetch.start_gather,
             "unpack": executor.install,
             "discard_gather": executor.discard,
@@ -111,6 +114,17 @@ class Scheduler:
             "sync_grad": executor.unsynced.sync,
             "write_back": partial(copy_into_shards, executor.rank),
         }
+        if self.residency is not None:
+            runners["start_gather"] = self.residency.gathering(runners["start_gather"])
+            runners["unpack"] = self.residency.gathered(runners["unpack"])
+            runners["discard_gather"] = self.residency.gathered(runners["discard_gather"])
+            runners["write_back"] = self.residency.writing(runners["write_back"])
+        return runners
+
+    def attach_offload(self, plan) -> None:
+        """Drive the residency of ``plan``'s offloaded values from now on (``paramfsm.shard(offload=...)``)."""
+        self.offload_plan, self.residency = plan, plan.residency
+        self._effects = self._effect_runners()
 
     # ------------------------------------------------------------------ queue
     def emit(self, event: Event) -> None:
@@ -187,6 +201,8 @@ class Scheduler:
             apply_requires_grad_changes(self._records, self.emit)
         self.deferral.flush()
         self.holds.release_all()
+        if self.residency is not None:
+            self.residency.settle()
         self.ctx.step = self.pinned_step if self.pinned_step is not None else self.ctx.step + 1
         self.prefetch.begin_forward()
         self.on_demand.reset()
@@ -250,10 +266,14 @@ class Scheduler:
         """Release every forward hold kept for a backward (a load or a save reads or writes the shards)."""
         self.holds.release_all()
 
-    def shards_written(self, records, changed, why: str) -> None:
+    def shards_written(self, records, changed, why: str, *, paging: bool = True) -> None:
         """The shards of ``records`` are about to be written by ``why`` (``changed``: the ones whose values
-        change); see :mod:`paramfsm.engine.schedule.shard_writes`."""
+        change); see :mod:`paramfsm.engine.schedule.shard_writes`. Offloaded shards among ``changed`` are
+        paged in and kept resident until the next root forward or optimizer step (``paging=False``: the
+        caller, an optimizer stepping unit by unit, pages them itself)."""
         self.emit(Event(SHARDS_WRITTEN, records=records, changed=changed, why=why))
+        if paging and self.residency is not None:
+            self.residency.writing_shards(changed)
 
     def write_back(self, records) -> None:
         """Write the held full copies of ``records`` back into their shards (``rt.gathered(writeback=True)``)."""

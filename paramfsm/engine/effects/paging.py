@@ -1,0 +1,103 @@
+"""Runs the residency machine's effects: page-ins on a background thread, write-backs, page-outs.
+
+The schedule (:mod:`paramfsm.engine.schedule.residency`) steps each offloaded
+value's residency and hands the effects here, with the placements they apply
+to; this module never looks at a residency state.
+
+* ``start_read``: a working buffer is allocated and the tier copy is read into
+  it; for the disk tier on a background thread (the read releases the GIL, so
+  the forward or the optimizer step keeps computing), for the host tier at once.
+* ``finish_read``: waits for that read, refuses a tier copy older than the
+  working value (:class:`~paramfsm.errors.StaleOffloadCopy`) and installs the
+  buffer as the tensor's storage.
+* ``write_tier``: copies the working value to its slot, recording its version.
+* ``drop_resident``: frees the working storage; the tensor becomes a paged-out
+  one (:mod:`paramfsm.engine.storage.paged`).
+
+[Note: CUDA working copies]
+A working copy on a CUDA device is read from the host tier with a
+``non_blocking`` copy on the current stream (ordered before the gather or
+step that reads it, as a copy stream would be after a wait) and written back
+with a blocking copy; the disk tier stages through host memory. Overlapping
+those copies with compute on a copy stream of their own is left for later.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from paramfsm.engine.storage import paged
+from paramfsm.errors import StaleOffloadCopy
+
+
+class Pager:
+    """The effects of one tier (see the module docstring); counts the bytes it moves."""
+
+    def __init__(self, tier, rank: int):
+        self.tier, self.rank = tier, rank
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix=f"paramfsm-page-in-{rank}")
+                      if tier.where == "disk" else None)
+        self._reads: dict = {}  # placement -> [(tensor, buffer, future or None)]
+        self.bytes_read = self.bytes_written = 0
+
+    # ------------------------------------------------------------------ effects
+    def start_read(self, placements) -> None:
+        for p in placements:
+            reads = []
+            for key, tensor in p.values():
+                slot = self.tier.slots[key]
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+                target = buffer if buffer.device.type == "cpu" else torch.empty(
+                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+                if self.tier.where == "cpu":
+                    self.tier.read(slot, buffer, p.name)
+                    future = None
+                else:
+                    future = self._pool.submit(self.tier.read, slot, target, p.name)
+                reads.append((tensor, buffer, target, slot, future))
+                self.bytes_read += slot.nbytes
+            self._reads[p] = reads
+
+    def finish_read(self, placements) -> None:
+        for p in placements:
+            for tensor, buffer, target, slot, future in self._reads.pop(p, ()):
+                if future is not None:
+                    future.result()
+                if slot.version != p.version:
+                    raise StaleOffloadCopy(
+                        f"the {p.kind} of parameter '{p.name}' (unit '{p.unit}', rank {self.rank}) was about "
+                        f"to be paged in from a tier copy of version {slot.version}, older than its working "
+                        f"value (version {p.version}): a write-back was lost. Nothing was read. What to do: "
+                        "this is a bug in paramfsm's offload schedule; report it with the trace dump.")
+                if target is not buffer:
+                    buffer.copy_(target, non_blocking=True)
+                paged.reveal(tensor, buffer)
+
+    def write_tier(self, placements) -> None:
+        for p in placements:
+            for key, tensor in p.values():
+                value = paged.working(tensor)
+                if value.device.type != "cpu" and self.tier.where == "disk":
+                    value = value.to("cpu")
+                slot = self.tier.place(key, value, p.name)
+                self.tier.write(slot, value.contiguous(), p.version, p.name)
+                self.bytes_written += slot.nbytes
+
+    def drop_resident(self, placements) -> None:
+        for p in placements:
+            for _, tensor in p.values():
+                paged.conceal(tensor)
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Wait for reads in flight, stop the thread and remove the tier's file."""
+        for reads in self._reads.values():
+            for *_, future in reads:
+                if future is not None:
+                    future.result()
+        self._reads.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.tier.close()

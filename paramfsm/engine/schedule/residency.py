@@ -1,0 +1,271 @@
+"""Where offloaded values live, step by step: the schedule's side of the residency machine.
+
+Every offloaded value has a :class:`Paged` placement (one per parameter shard
+and one per parameter's optimizer state) that the residency machine
+(``[residency]`` in the spec) moves between DIRTY, RESIDENT, PAGING_IN and
+PAGED_OUT. This component decides when: it steps the placements and hands
+their effects to the tier's :class:`~paramfsm.engine.effects.paging.Pager`.
+
+* Before a unit's all-gather starts, its shards are needed (paged in at once
+  unless a page-in ahead of use already brought them) and read; the unit after
+  it in the recorded order is paged in ahead, on the tier's thread.
+* When the gather has landed (unpacked, or dropped unused) the shards are
+  released: they may be paged out.
+* The optimizer step (:mod:`paramfsm.offload`) runs unit by unit, needing the
+  unit's shards and optimizer state, then writing them and releasing them.
+
+[Note: the resident set]
+``max_resident_bytes`` bounds the working copies of offloaded values resident
+at once. Values in use (a unit being gathered or stepped) and one unit paged
+in ahead are always allowed; released values stay resident, least recently
+used first out, while the total stays within the bound, so a bound that holds
+the whole model pages nothing after the first step. With no bound, every
+released value is paged out at once (the least memory; most traffic).
+
+[Note: paging follows the recorded order]
+The order in which units' values are needed repeats from one training step to
+the next (forward, backward, optimizer step). The order of the previous step
+(between two optimizer steps) is kept; when the value needed now is the one
+needed at the same position then, the next one of then is paged in ahead.
+Where the order changed, nothing is guessed: the next need reads at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict
+
+from torch.utils.weak import WeakIdKeyDictionary
+
+from paramfsm.core.fsm import Placement, residency_table, step
+from paramfsm.engine.storage import paged
+
+_VERSIONS = itertools.count(1)
+
+
+class Paged(Placement):
+    """One offloaded value: its residency (the Placement), its version, its tensors and its tier."""
+
+    __slots__ = ("version", "values", "pager", "key")
+
+    def __init__(self, name: str, unit: str, kind: str, values, pager, key):
+        tensors = values()
+        super().__init__(name, unit, kind, sum(t.numel() * t.element_size() for _, t in tensors))
+        self.version = next(_VERSIONS)
+        self.values, self.pager, self.key = values, pager, key
+
+
+class Residency:
+    """Steps the placements of one runtime's offloaded values (see the module docstring)."""
+
+    def __init__(self, ctx, *, max_resident_bytes: int | None):
+        self.ctx = ctx
+        self.table = residency_table()
+        self.bound = max_resident_bytes or 0
+        self.shards: dict = {}  # record -> Paged (its shard)
+        self.optim: dict = {}  # (id(optimizer), record) -> Paged (its optimizer state)
+        self._in_use: dict = {}  # Paged -> how many users
+        self._cached: OrderedDict = OrderedDict()  # released and resident, least recently used first
+        self._ahead: set = set()  # paged in ahead of use, not used yet
+        self._order: list = []  # groups of placements needed this step, in order
+        self._previous: list = []
+        self._writing: list = []  # shards kept resident for a write from outside (writing_shards)
+        self._by_tensor = WeakIdKeyDictionary()  # offloaded tensor -> its placement
+        self.closed = False
+        self._thread = threading.current_thread()  # the one that drives the schedule
+
+    # ------------------------------------------------------------------ placements
+    def add(self, p: Paged) -> Paged:
+        """Take a new placement (DIRTY) and page it out unless it fits in the resident set."""
+        for _, tensor in p.values():
+            paged.PAGERS[tensor] = self._on_demand
+            paged.OWNERS[tensor] = (p.name, _WHAT[p.kind], p.unit, self.ctx.rank)
+            self._by_tensor[tensor] = p
+        self._cached[p] = None
+        self._trim()
+        return p
+
+    def forget(self, placements) -> None:
+        """Stop tracking ``placements`` (their values were replaced, e.g. by an optimizer load)."""
+        for p in placements:
+            self._cached.pop(p, None)
+            self._in_use.pop(p, None)
+            self._ahead.discard(p)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(p.nbytes for p in itertools.chain(self._in_use, self._cached, self._ahead))
+
+    # ------------------------------------------------------------------ use
+    def need(self, placements, *, ahead: bool = True) -> None:
+        """``placements`` are about to be used: resident now, kept so until :meth:`release`. ``ahead``:
+        a use in the recorded order, which pages in the next one ahead (see [Note: paging follows the
+        recorded order])."""
+        placements = [p for p in placements if p is not None]
+        if not placements:
+            return
+        for p in placements:
+            self._run(p, "need")
+            self._cached.pop(p, None)
+            self._ahead.discard(p)
+            self._in_use[p] = self._in_use.get(p, 0) + 1
+        if ahead:
+            self._page_in_next(placements)
+
+    def read(self, placements) -> None:
+        for p in placements:
+            if p is not None:
+                self._run(p, "read")
+
+    def written(self, placements) -> None:
+        """The working copies of ``placements`` changed (an optimizer step, a load)."""
+        for p in placements:
+            if p is not None:
+                self._run(p, "write")
+                p.version = next(_VERSIONS)
+
+    def release(self, placements) -> None:
+        """Done using ``placements``: they join the resident set, which is trimmed to its bound."""
+        for p in placements:
+            if p is None or p not in self._in_use:
+                continue
+            users = self._in_use.pop(p) - 1
+            if users:
+                self._in_use[p] = users
+            else:
+                self._cached[p] = None
+        self._trim()
+
+    def write_back(self, placements) -> None:
+        """Write changed working copies to their tiers now, keeping them resident."""
+        for p in placements:
+            if p is not None:
+                self._run(p, "write_back")
+
+    def end_step(self) -> None:
+        """An optimizer step finished: the order recorded since the last one is the one to follow."""
+        self._previous, self._order = self._order, []
+
+    # ------------------------------------------------------------------ gathers
+    def gathering(self, start_gather):
+        """Wrap the ``start_gather`` effect: the records' shards are needed and read before it starts."""
+        shards = self.shards
+
+        def start(records):
+            placements = [shards.get(rec) for rec in records]
+            self.need(placements)
+            self.read(placements)
+            start_gather(records)
+        return start
+
+    def gathered(self, effect):
+        """Wrap ``unpack`` / ``discard_gather``: once the gather has landed, the shards are released."""
+        shards = self.shards
+
+        def done(records):
+            effect(records)
+            self.release([shards.get(rec) for rec in records])
+        return done
+
+    def writing(self, effect):
+        """Wrap ``write_back`` (``rt.gathered(writeback=True)``): the shards are written while resident."""
+        shards = self.shards
+
+        def write(records):
+            placements = [shards.get(rec) for rec in records]
+            self.need(placements, ahead=False)
+            self.written(placements)
+            effect(records)
+            self.release(placements)
+        return write
+
+    def writing_shards(self, records) -> None:
+        """The shards of ``records`` are about to be written from outside (a load, ``rt.init_weights``):
+        resident and marked changed now, released at :meth:`settle`."""
+        placements = [p for p in map(self.shards.get, records) if p is not None]
+        if placements:
+            self.need(placements, ahead=False)
+            self.written(placements)
+            self._writing.extend(placements)
+
+    def settle(self) -> None:
+        """Release the shards kept for writes from outside (the next root forward or optimizer step)."""
+        if self._writing:
+            placements, self._writing = self._writing, []
+            self.written(placements)
+            self.release(placements)
+
+    # ------------------------------------------------------------------ paging
+    def _run(self, p: Paged, event: str) -> None:
+        for effect in step(self.table, p, event, self.ctx):
+            getattr(p.pager, effect)((p,))
+
+    def _trim(self) -> None:
+        while self._cached and self.resident_bytes > self.bound:
+            p, _ = self._cached.popitem(last=False)
+            self._run(p, "page_out")
+
+    def _page_in_next(self, placements) -> None:
+        key = frozenset(placements)
+        position = len(self._order)
+        self._order.append(key)
+        if position + 1 >= len(self._previous) or self._previous[position] != key:
+            return
+        ahead = [p for p in self._previous[position + 1] if p not in self._in_use and p not in self._cached]
+        if not ahead or self._ahead:
+            return
+        size = sum(p.nbytes for p in ahead)
+        if self.bound and self.resident_bytes + size > self.bound and not self._evictable(size):
+            return
+        for p in ahead:
+            self._ahead.add(p)
+            self._run(p, "page_in")
+
+    def _evictable(self, size: int) -> bool:
+        """Page out released values until ``size`` more bytes fit; whether they now do."""
+        while self._cached and self.resident_bytes + size > self.bound:
+            p, _ = self._cached.popitem(last=False)
+            self._run(p, "page_out")
+        return self.resident_bytes + size <= self.bound
+
+    def _on_demand(self, tensor) -> bool:
+        """A paged-out tensor was used outside the schedule (a save, a load, user code).
+
+        Its placement is paged in and kept resident until :meth:`settle`, and counted as changed, since
+        the use may write it in place: a write-back too many is safe, a lost one is not.
+        """
+        if self.closed or threading.current_thread() is not self._thread:
+            return False
+        p = self._by_tensor.get(tensor)
+        if p is None:
+            return False
+        self.need([p], ahead=False)  # a use outside the schedule is not part of the recorded order
+        self.written([p])
+        self._writing.append(p)
+        return not paged.is_paged_out(tensor)
+
+    # ------------------------------------------------------------------ teardown
+    def page_in_all(self, *, strict: bool = True) -> None:
+        """Every value resident and untracked (close, detach): the model owns its tensors again.
+
+        Every value is tried even when one fails (a stale tier copy, a read error), so the others are
+        handed back; the first failure is then raised, unless ``strict`` is False (detach after a failure,
+        where the runtime's state may already be inconsistent and nothing may raise)."""
+        placements = list(itertools.chain(self.shards.values(), self.optim.values()))
+        first = None
+        for p in placements:
+            try:
+                self._run(p, "need")
+            except Exception as exc:  # noqa: BLE001 - raised below, after every value was tried
+                first = first or exc
+        self.forget(placements)
+        self.closed = True
+        for p in placements:
+            for _, tensor in p.values():
+                paged.PAGERS.pop(tensor, None)
+        if first is not None and strict:
+            raise first
+
+
+_WHAT = {"shard": "shard", "grad": "shard gradient", "optim": "optimizer state"}

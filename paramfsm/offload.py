@@ -1,0 +1,239 @@
+"""Offload: shards and optimizer state kept in host memory or on disk, paged in when used.
+
+``paramfsm.shard(model, offload=paramfsm.Offload(params="disk", optimizer="disk", path=...))``
+keeps every rank's parameter shards and optimizer state in a tier (``"cpu"``:
+host memory, pinned when CUDA is available; ``"disk"``: one file per rank
+under ``path``) and only a bounded resident set of them in working memory.
+Where each value lives is a lifetime of its own, declared in the spec as the
+residency machine (``[residency]`` in ``specs/param_lifetime.toml``) and
+driven by :mod:`paramfsm.engine.schedule.residency`: traced, replayable and
+checked like the parameters' data lifetime. A read of a value that is not
+resident is an illegal transition, and a tier copy older than the working
+value is refused (:class:`~paramfsm.errors.StaleOffloadCopy`): never a stale value.
+
+``offload=`` takes an :class:`Offload` for every unit, or a predicate
+``(unit name, module) -> Offload | None`` to choose per unit (``""`` is the
+root), as ``reshard_after_forward`` does. ``Offload(ratio=...)`` offloads the
+optimizer state of only that fraction of the units (by shard bytes, in unit
+order), as DeepSpeed's ``offload_optimizer.ratio`` does.
+
+The optimizer step over offloaded state runs unit by unit
+(:mod:`paramfsm.offload_step`): each unit's shards and optimizer state are
+paged in, stepped, written back and released in turn, so an optimizer built
+over ``model.parameters()`` keeps working and never needs the whole state at once.
+
+The tier is scratch space, not a checkpoint: ``rt.close()`` pages everything
+back in and removes the files; save checkpoints with :mod:`paramfsm.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import attrs
+
+from paramfsm.engine.effects.paging import Pager
+from paramfsm.engine.schedule.residency import Paged, Residency
+from paramfsm.engine.storage.tiers import DiskTier, HostTier
+from paramfsm.errors import ArgumentError, ArgumentTypeError
+
+TIERS = (None, "cpu", "disk")
+
+
+@attrs.frozen
+class Offload:
+    """Where a unit's shards and optimizer state live (see the module docstring).
+
+    ``params``, ``optimizer``: None (working memory), ``"cpu"`` (host memory)
+    or ``"disk"`` (a file per rank under ``path``). ``grads``: only None for
+    now (shard gradients stay in working memory). ``path``: the folder for
+    ``"disk"`` (required then; created if missing). ``max_resident_bytes``:
+    the most bytes of offloaded values in working memory at once, at least one
+    unit's (None: only the values in use and one unit paged in ahead).
+    ``pin_memory``: pin the host tier when CUDA is available. ``ratio``: the
+    fraction of the units whose optimizer state is offloaded.
+    """
+
+    params: str | None = None
+    optimizer: str | None = None
+    grads: str | None = None
+    path: str | os.PathLike | None = None
+    max_resident_bytes: int | None = None
+    pin_memory: bool = True
+    ratio: float = 1.0
+
+    def __attrs_post_init__(self):
+        for name in ("params", "optimizer", "grads"):
+            value = getattr(self, name)
+            if value not in TIERS:
+                raise ArgumentError(f"Offload({name}={value!r}): expected None, 'cpu' or 'disk'")
+        if self.grads is not None:
+            raise ArgumentError(
+                f"Offload(grads={self.grads!r}): shard gradients cannot be offloaded yet; they stay in working "
+                "memory (1/world of the gradients). What to do: leave grads=None; offload params and optimizer.")
+        if "disk" in (self.params, self.optimizer) and self.path is None:
+            raise ArgumentError("Offload(...='disk') needs path=: the folder for this run's offload files "
+                                "(one per rank, removed by rt.close())")
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            raise ArgumentTypeError(f"Offload(path={self.path!r}): expected a folder path")
+        if self.max_resident_bytes is not None and (
+                not isinstance(self.max_resident_bytes, int) or isinstance(self.max_resident_bytes, bool)
+                or self.max_resident_bytes < 0):
+            raise ArgumentError(f"Offload(max_resident_bytes={self.max_resident_bytes!r}): expected None or a "
+                                "number of bytes >= 0")
+        if not isinstance(self.ratio, (int, float)) or isinstance(self.ratio, bool) or not 0 <= self.ratio <= 1:
+            raise ArgumentError(f"Offload(ratio={self.ratio!r}): expected a fraction between 0 and 1")
+
+
+class OffloadPlan:
+    """What one runtime offloads: the residency component, the tiers and which units offload what."""
+
+    def __init__(self, residency: Residency, pagers: dict, optimizer_units: dict):
+        self.residency, self.pagers = residency, pagers
+        self.optimizer_units = optimizer_units  # unit name -> Pager of its optimizer state
+
+    def memory(self) -> dict[str, int]:
+        """Bytes each tier holds, and the bytes of offloaded values now in working memory."""
+        held = {f"tier_{where}": 0 for where in ("cpu", "disk")}
+        for (where, _), pager in self.pagers.items():
+            held[f"tier_{where}"] += pager.tier.nbytes
+        held["offload_resident"] = self.residency.resident_bytes
+        return held
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes read from and written to the tiers so far."""
+        return {"read": sum(p.bytes_read for p in self.pagers.values()),
+                "written": sum(p.bytes_written for p in self.pagers.values())}
+
+    def close(self, *, strict: bool = True) -> None:
+        """Page every value back in, then remove the tiers' files (always; see ``Residency.page_in_all``
+        for ``strict``)."""
+        try:
+            self.residency.page_in_all(strict=strict)
+        finally:
+            for pager in self.pagers.values():
+                pager.close()
+
+
+def check_offload(offload) -> None:
+    if offload is not None and not isinstance(offload, Offload) and not callable(offload):
+        raise ArgumentTypeError(f"offload={offload!r}: expected None, a paramfsm.Offload, or a predicate "
+                                "(unit name, module) -> Offload | None")
+
+
+def plan(rt, offload) -> OffloadPlan | None:
+    """Resolve ``offload`` per unit and build the plan (None when nothing is offloaded)."""
+    if offload is None:
+        return None
+    per_unit = {unit.name: _for_unit(offload, unit) for unit in rt.units}
+    chosen = [o for o in per_unit.values() if o is not None]
+    if not chosen:
+        return None
+    bounds = {o.max_resident_bytes for o in chosen}
+    if len(bounds) > 1:
+        raise ArgumentError(f"offload: units give different max_resident_bytes {sorted(bounds, key=str)}; the "
+                            "resident set is one per rank, so give every unit the same bound")
+    bound = bounds.pop()
+    residency = Residency(rt.scheduler.ctx, max_resident_bytes=bound)
+    pagers: dict = {}
+
+    def pager(where: str, o: Offload, owner: str) -> Pager:
+        key = (where, str(Path(o.path).expanduser().resolve()) if where == "disk" else "")
+        if key not in pagers:
+            tier = DiskTier(o.path, rt.rank, owner) if where == "disk" else HostTier(rt.rank, o.pin_memory)
+            pagers[key] = Pager(tier, rt.rank)
+        return pagers[key]
+
+    try:
+        return _build(rt, per_unit, residency, pagers, pager, bound)
+    except BaseException:
+        for made in pagers.values():
+            made.close()
+        raise
+
+
+def _build(rt, per_unit, residency, pagers, pager, bound) -> OffloadPlan:
+    index = rt._index
+    for unit in rt.units:
+        o = per_unit[unit.name]
+        if o is None or o.params is None:
+            continue
+        if rt.world == 1:
+            raise ArgumentError(
+                f"offload params={o.params!r} for unit '{unit.name}': on one rank a parameter is a view of its "
+                "shard, so the shard cannot leave working memory. What to do: offload the optimizer state "
+                "(Offload(optimizer=...)), or shard over two or more ranks.")
+        _check_bound(bound, unit)
+        for rec in unit.records:
+            if rec in residency.shards:
+                continue
+            residency.shards[rec] = Paged(rec.name, unit.name, "shard", _shard_values(rec, index[id(rec)]),
+                                          pager(o.params, o, rec.name), index[id(rec)])
+    optimizer_units = _optimizer_units(rt.units, per_unit, pager)
+    result = OffloadPlan(residency, pagers, optimizer_units)
+    for p in list(residency.shards.values()):
+        residency.add(p)
+    return result
+
+
+def _for_unit(offload, unit):
+    if isinstance(offload, Offload):
+        return offload
+    name = "" if unit.name == "<root>" else unit.name
+    chosen = offload(name, unit.module)
+    if chosen is not None and not isinstance(chosen, Offload):
+        raise ArgumentTypeError(f"offload predicate returned {chosen!r} for unit '{unit.name}': expected a "
+                                "paramfsm.Offload or None")
+    return chosen
+
+
+def _check_bound(bound, unit) -> None:
+    shard_bytes = sum(rec.shard.numel() * rec.shard.element_size() for rec in unit.records)
+    if bound is not None and bound < shard_bytes:
+        raise ArgumentError(
+            f"Offload(max_resident_bytes={bound}) is smaller than unit '{unit.name}' ({shard_bytes} bytes of "
+            "shards on this rank, first parameter "
+            f"'{unit.records[0].name if unit.records else '?'}'): a unit in use must fit. What to do: raise "
+            "the bound to at least the largest unit's shard bytes, or split that unit (units=).")
+
+
+def _optimizer_units(units, per_unit, pager) -> dict:
+    """Unit name -> the pager of its optimizer state, for the first ``ratio`` of the units by bytes."""
+    chosen = [(unit, per_unit[unit.name]) for unit in units
+              if per_unit[unit.name] is not None and per_unit[unit.name].optimizer is not None]
+    total = sum(unit.nbytes for unit, _ in chosen)
+    result, placed = {}, 0
+    for unit, o in chosen:
+        if placed < o.ratio * total or o.ratio == 1:
+            if o.ratio > 0 and unit.records:
+                result[unit.name] = pager(o.optimizer, o, unit.records[0].name)
+        placed += unit.nbytes
+    return result
+
+
+def _shard_values(rec, index):
+    key = (index, "shard")
+    return lambda: ((key, rec.shard),)
+
+
+def optimizer_placement(plan_: OffloadPlan, optimizer, rec, unit_name: str, index: int):
+    """The placement of ``rec``'s optimizer state in ``optimizer`` (None when not offloaded or no state)."""
+    residency = plan_.residency
+    key = (id(optimizer), rec)
+    p = residency.optim.get(key)
+    if p is not None or unit_name not in plan_.optimizer_units:
+        return p
+    state = optimizer.state.get(rec.shard)
+    if not state:
+        return None
+
+    def values():
+        current = optimizer.state.get(rec.shard, {})
+        return tuple(((id(optimizer), index, name), t) for name, t in current.items()
+                     if hasattr(t, "dim") and t.dim() > 0)
+    if not values():
+        return None
+    p = residency.optim[key] = Paged(rec.name, unit_name, "optim", values, plan_.optimizer_units[unit_name],
+                                     key)
+    return p

@@ -1,0 +1,131 @@
+"""The optimizer step over offloaded shards and state: unit by unit, paging each unit in and out.
+
+An optimizer built over ``model.parameters()`` steps every shard in one
+``step()`` call, which would need every offloaded shard and state tensor
+resident at once. :func:`step_by_unit` runs from the optimizer step pre-hook
+(:mod:`paramfsm.optim`) instead: for each unit in order it pages in the unit's
+shards and optimizer state, runs the optimizer's own ``step()`` over only
+those shards, marks them changed and releases them (the resident set is then
+trimmed, which writes them back to their tier). Shards that are not offloaded
+are stepped last, together. The call the user made then steps nothing.
+
+[Note: the step the user called]
+A step pre-hook cannot cancel the step it precedes. So after stepping unit by
+unit, every param group's ``params`` is emptied, and the step post-hook puts
+them back: the user's ``step()`` runs the optimizer over no parameters (every
+``torch.optim`` optimizer returns at once), and LR schedulers, step counters
+and hooks see one step as before. The optimizer's per-parameter state (Adam's
+``step`` included) is stepped exactly once per parameter, so the result is the
+optimizer's own, bit for bit. A closure (LBFGS) would be evaluated once per
+unit, so it is refused.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from paramfsm.errors import OffloadError
+from paramfsm.offload import optimizer_placement
+
+#: optimizer -> the param groups' params, emptied until its step's post-hook restores them.
+_EMPTIED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_inner = [False]  # a unit's step is running: the hooks let it through
+_hook = None
+
+
+def inner() -> bool:
+    """Whether the optimizer step now running is one unit's (the pre-hook lets it through)."""
+    return _inner[0]
+
+
+def offloading(writers) -> list:
+    """The ``(scheduler, records)`` pairs of ``writers`` whose runtime offloads something."""
+    return [(s, r) for s, r in writers if getattr(s, "offload_plan", None) is not None]
+
+
+def step_by_unit(optimizer, writers, args, kwargs) -> None:
+    """Step ``optimizer`` unit by unit over the offloaded runtimes in ``writers`` (module docstring)."""
+    global _hook
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
+    if closure is not None:
+        raise OffloadError(
+            f"{type(optimizer).__name__}.step(closure) over offloaded shards: the step runs unit by unit, so a "
+            "closure would be evaluated once per unit. What to do: call step() without a closure, or do not "
+            "offload this model (paramfsm.shard(..., offload=None)).")
+    if _hook is None:
+        _hook = register_optimizer_step_post_hook(_restore)
+    groups = optimizer.param_groups
+    saved = [group["params"] for group in groups]
+    stepped: set[int] = set()
+    try:
+        for scheduler, records in writers:
+            _step_runtime(optimizer, scheduler, records, saved, stepped)
+        rest = {id(p) for params in saved for p in params if id(p) not in stepped}
+        if rest:
+            _step_only(optimizer, saved, rest)
+        for scheduler, _ in writers:
+            scheduler.offload_plan.residency.end_step()
+    except BaseException:
+        for group, params in zip(groups, saved):
+            group["params"] = params
+        raise
+    for group in groups:
+        group["params"] = []
+    _EMPTIED[optimizer] = saved
+
+
+def _step_runtime(optimizer, scheduler, records, saved, stepped: set) -> None:
+    plan = scheduler.offload_plan
+    residency = plan.residency
+    residency.settle()
+    wanted = set(records)
+    index = {id(rec): i for i, rec in enumerate(scheduler.records)}
+    seen: set = set()
+    for unit in scheduler.units:
+        recs = [rec for rec in unit.records if rec in wanted and rec not in seen and rec.shard.grad is not None]
+        if not recs:
+            continue
+        seen.update(recs)
+        before = [residency.shards.get(rec) for rec in recs]
+        before += [optimizer_placement(plan, optimizer, rec, unit.name, index[id(rec)]) for rec in recs]
+        residency.need(before)
+        residency.read(before)
+        try:
+            _step_only(optimizer, saved, {id(rec.shard) for rec in recs})
+            created = []
+            for rec in recs:
+                p = optimizer_placement(plan, optimizer, rec, unit.name, index[id(rec)])
+                if p is not None and p not in before:
+                    created.append(p)
+            residency.written(before)
+        finally:
+            residency.release(before)
+        for p in created:
+            residency.add(p)
+        stepped.update(id(rec.shard) for rec in recs)
+
+
+def _step_only(optimizer, saved, ids: set) -> None:
+    for group, params in zip(optimizer.param_groups, saved):
+        group["params"] = [p for p in params if id(p) in ids]
+    _inner[0] = True
+    try:
+        optimizer.step()
+    finally:
+        _inner[0] = False
+
+
+def _restore(optimizer, args, kwargs) -> None:
+    if _inner[0]:
+        return
+    saved = _EMPTIED.pop(optimizer, None)
+    if saved is not None:
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = params
+
+
+def restore_if_left(optimizer) -> None:
+    """Put back param groups a step left emptied (its post-hook did not run: the step raised)."""
+    _restore(optimizer, (), {})
