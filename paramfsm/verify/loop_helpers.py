@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from paramfsm.offload import Offload
+
 #: The loss scaler of fp16 programs, in paramfsm (``paramfsm.amp.GradScaler``) and in the reference
 #: (``torch.amp.GradScaler``): a small initial scale that grows every second step, so a program of a few
 #: steps both grows and (with a forced or a real overflow) backs off.
@@ -62,6 +64,19 @@ def reshard_policy(config):
     if isinstance(kept, bool):
         return kept
     return lambda name, module: name not in kept
+
+
+def offload_policy(subject, config, world: int):
+    """The ``offload`` argument of a program: the subject's own (``Subject(offload=...)``), else the
+    configuration's tier for the shards (on two or more ranks: one rank's parameters are views of their
+    shards) and the optimizer state. A disk tier gets a new folder of this rank's, returned to be removed."""
+    if subject.offload is not None:
+        return subject.offload, None
+    if config.offload is None:
+        return None, None
+    folder = tempfile.mkdtemp(prefix="paramfsm-verify-offload-") if config.offload == "disk" else None
+    return Offload(params=config.offload if world > 1 else None, optimizer=config.offload,
+                            path=folder), folder
 
 
 def default_blocks(model: nn.Module) -> tuple[str, ...]:

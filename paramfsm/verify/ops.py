@@ -47,6 +47,10 @@ class Config:
     #: its backward), or the names of the units kept (``""``: the root), as the predicate
     #: ``lambda name, module: name not in KEPT`` (see :func:`paramfsm.verify.loop_helpers.reshard_policy`).
     reshard_after_forward: bool | tuple[str, ...] = True
+    #: ``offload``: None, ``"cpu"`` or ``"disk"``: the shards (on two or more ranks) and the optimizer state in
+    #: that tier, nothing else resident (``paramfsm.Offload(max_resident_bytes=None)``; see
+    #: :func:`paramfsm.verify.loop_helpers.offload_policy`).
+    offload: str | None = None
 
     @property
     def scaled(self) -> bool:

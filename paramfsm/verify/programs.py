@@ -321,6 +321,12 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
                 ("forward", 0, 2, False), ("backward", 0, 2, True), ("save_restore", 0, 0, True),
                 ("save_restore", 1, 0, False), ("iteration", 0, 3, False), ("save_restore", 1, 0, True),
                 ("iteration", 2, 1, True))),
+    # Offload to disk: shards and optimizer state paged in for each gather and each unit's step, out after it.
+    # An iteration, two losses over a retained graph and a step, an in-place write inside rt.gathered, a DCP
+    # round trip with the optimizer state, a GAN iteration (one optimizer per part), and an iteration.
+    (Config(offload="disk"), (("iteration", 0, 0, False), ("multi_loss", 0, 0, False), ("step", 0, 0, False),
+                              ("gathered_write", 0, 1, True), ("save_restore", 0, 0, False),
+                              ("iteration", 1, 1, False), ("gan", 0, 1, True), ("iteration", 2, 2, False))),
     # A loss that reads another output on each rank (each rank's backward differentiates its own): rank 0's
     # from one batch's output, rank 1's from another's (the same units in the same order: it must train like
     # plain torch), a step; rank 0's from the root output, rank 1's from a unit run again on that forward's
@@ -353,6 +359,7 @@ def configs(shape: Shape | None = None) -> st.SearchStrategy[Config]:
         max_deferred_bytes=st.sampled_from((None, 4096, None)),
         param_dtype=st.sampled_from((None, "float16", "bfloat16")),
         reshard_after_forward=st.sampled_from((True, True, True, False) + kept),
+        offload=st.sampled_from((None, None, None, "cpu", "disk")),
     )
 
 

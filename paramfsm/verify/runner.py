@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import shutil
 import time
 import traceback
 
@@ -73,7 +74,7 @@ from paramfsm.verify.ops import (
 )
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
-    SCALER, compute_dtype, force_overflow, perturbed, reentrant_blocks, reshard_policy,
+    SCALER, compute_dtype, force_overflow, offload_policy, perturbed, reentrant_blocks, reshard_policy,
 )
 
 
@@ -116,12 +117,13 @@ class Run:
                              reference=reference)
         c = program.config
         self.model = subject.model
+        self.offload, self.folder = offload_policy(subject, c, world)
         dtype = compute_dtype(c)
         self.upcast = dtype is not None
         self.rt = paramfsm.shard(self.model, group=group, units=subject.units, retain=c.retain, prefetch=c.prefetch,
                                  bucket_bytes=c.bucket_bytes, max_deferred_bytes=c.max_deferred_bytes,
                                  trace=True, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
-                                 reshard_after_forward=reshard_policy(c),
+                                 reshard_after_forward=reshard_policy(c), offload=self.offload,
                                  device=next(reference.parameters()).device if reference is not None else None)
         initialise(self.rt, subject, options.seed)
         self.scaler = paramfsm.amp.GradScaler(self.rt, **SCALER) if c.scaled else None
@@ -305,6 +307,10 @@ def run_program(rank: int, world: int, factory, program: Program, options: Optio
                 if run is not None:
                     run.rt.detach()
                 return outcome or Outcome(True, None, "peer", "another rank failed")
-            return run.execute()
+            try:
+                return run.execute()
+            finally:
+                if run.folder is not None:  # a disk tier's folder (its files went with rt.close())
+                    shutil.rmtree(run.folder, ignore_errors=True)
     finally:
         dist.destroy_process_group(group)

@@ -69,6 +69,8 @@ class Subject:
     ``optimizer`` over ``model.get_submodule(part).parameters()`` (a GAN's generator and discriminator; the
     last part is the critic of GAN iterations); programs then step and zero one part at a time. Empty: one
     optimizer over every parameter.
+    ``offload``: the ``offload=`` argument of :func:`paramfsm.shard` for every program (a
+    :class:`paramfsm.Offload` or a per-unit predicate); None: each program's drawn configuration chooses.
     """
 
     model: nn.Module
@@ -84,6 +86,7 @@ class Subject:
     meta: bool = False
     init: Callable | None = None
     parts: tuple[str, ...] = ()
+    offload: Any = None
 
     def tolerances(self) -> tuple[float, float]:
         dtype = next(self.model.parameters()).dtype

@@ -45,6 +45,7 @@ from paramfsm.verify.faults.accumulation import ACCUMULATION
 from paramfsm.verify.faults.patching import patched as _patched
 from paramfsm.verify.faults.regressions import REGRESSIONS
 from paramfsm.verify.faults.routing import ROUTING
+from paramfsm.verify.faults.offload import OFFLOAD
 from paramfsm.verify.faults.shard_writes import SHARD_WRITES
 from paramfsm.verify.faults.training import (
     checkpoint_offset_unpadded, clip_without_clamp, found_inf_not_agreed, scale_not_backpropagated,
@@ -336,6 +337,7 @@ CATALOGUE: tuple[Fault, ...] = (
     *(Fault(*entry) for entry in ACCUMULATION),  # gradient accumulation and reshard_after_forward
     *(Fault(*entry) for entry in SHARD_WRITES),  # shard writes: optimizer steps, rt.gathered write-back
     *(Fault(*entry) for entry in REGRESSIONS),  # reentrant checkpointing inside a unit
+    *(Fault(*entry) for entry in OFFLOAD),  # offload: page-in, write-back, a tier copy older than the step
 )
 
 FAULTS: dict[str, Fault] = {fault.name: fault for fault in CATALOGUE}
