@@ -269,3 +269,55 @@ def test_two_runs_in_one_folder_never_share_a_file(ranks2, tmp_path):
             for name, value in plain.items():
                 torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6)
     assert os.listdir(tmp_path) == []
+
+
+def inference_job(rank, world, folder):
+    """Evaluation under inference_mode between steps pages values in there; a load and the next steps update
+    them in place (a working buffer made under inference_mode could not be)."""
+    model = _model()
+    rt = paramfsm.shard(model, offload=paramfsm.Offload(params="disk", optimizer="disk", path=folder))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    evaluated = []
+    for step in range(STEPS):
+        model(_batch(step).chunk(world)[rank]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.inference_mode():
+            evaluated.append(model(_batch(50).chunk(world)[rank]).clone())
+        if step == 1:  # a checkpoint round trip writes the shards the evaluation paged in, in place
+            import paramfsm.checkpoint as ck
+
+            ck.save(rt, os.path.join(folder, "ck"), optimizer=opt)
+            ck.load(rt, os.path.join(folder, "ck"), optimizer=opt)
+    full = rt.full_state_dict()
+    rt.close()
+    return full, evaluated
+
+
+def test_evaluation_under_inference_mode_between_offloaded_steps(ranks2, tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    expected = []
+    for step in range(STEPS):
+        model(_batch(step)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.inference_mode():
+            expected.append(model(_batch(50)))
+    for rank, (full, evaluated) in enumerate(ranks2.run(inference_job, str(tmp_path))):
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6)
+        for got, want in zip(evaluated, expected):
+            torch.testing.assert_close(got, want.chunk(2)[rank], rtol=1e-5, atol=1e-6)
+
+
+def test_a_load_after_an_evaluation_under_inference_mode_writes_the_paged_in_shards(ranks2):
+    """A loop verify drew (tests/reproductions/offload_inference_page_in.py): an evaluation under
+    inference_mode pages shards in, and a checkpoint load writes them in place."""
+    from pathlib import Path
+
+    from paramfsm.verify.reproduction import run_saved
+
+    script = Path(__file__).resolve().parent / "reproductions" / "offload_inference_page_in.py"
+    for status, output in ranks2.run(run_saved, str(script), timeout=240):
+        assert status == 0, output

@@ -44,6 +44,10 @@ class Pager:
 
     # ------------------------------------------------------------------ effects
     def start_read(self, placements) -> None:
+        with _normal_tensors():
+            self._start_read(placements)
+
+    def _start_read(self, placements) -> None:
         for p in placements:
             reads = []
             for key, tensor in p.values():
@@ -61,6 +65,10 @@ class Pager:
             self._reads[p] = reads
 
     def finish_read(self, placements) -> None:
+        with _normal_tensors():
+            self._finish_read(placements)
+
+    def _finish_read(self, placements) -> None:
         for p in placements:
             for tensor, buffer, target, slot, future in self._reads.pop(p, ()):
                 if future is not None:
@@ -101,3 +109,9 @@ class Pager:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self.tier.close()
+
+
+def _normal_tensors():
+    """Working buffers are normal tensors even when a page-in runs under ``torch.inference_mode()`` (an
+    evaluation): an inference tensor could never be updated in place by the optimizer step after it."""
+    return torch.inference_mode(False)

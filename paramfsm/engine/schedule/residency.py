@@ -41,9 +41,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from paramfsm.core.fsm import Placement, residency_table, step
 from paramfsm.engine.storage import paged
 
-_VERSIONS = itertools.count(1)
-
-
 class Paged(Placement):
     """One offloaded value: its residency (the Placement), its version, its tensors and its tier."""
 
@@ -52,7 +49,7 @@ class Paged(Placement):
     def __init__(self, name: str, unit: str, kind: str, values, pager, key):
         tensors = values()
         super().__init__(name, unit, kind, sum(t.numel() * t.element_size() for _, t in tensors))
-        self.version = next(_VERSIONS)
+        self.version = 0  # numbered by its Residency (add), so a run's numbers do not depend on earlier runs
         self.values, self.pager, self.key = values, pager, key
 
 
@@ -74,10 +71,12 @@ class Residency:
         self._by_tensor = WeakIdKeyDictionary()  # offloaded tensor -> its placement
         self.closed = False
         self._thread = threading.current_thread()  # the one that drives the schedule
+        self._versions = itertools.count(1)  # versions of working values: a tier copy must carry the latest
 
     # ------------------------------------------------------------------ placements
     def add(self, p: Paged) -> Paged:
         """Take a new placement (DIRTY) and page it out unless it fits in the resident set."""
+        p.version = next(self._versions)
         for _, tensor in p.values():
             paged.PAGERS[tensor] = self._on_demand
             paged.OWNERS[tensor] = (p.name, _WHAT[p.kind], p.unit, self.ctx.rank)
@@ -123,7 +122,7 @@ class Residency:
         for p in placements:
             if p is not None:
                 self._run(p, "write")
-                p.version = next(_VERSIONS)
+                p.version = next(self._versions)
 
     def release(self, placements) -> None:
         """Done using ``placements``: they join the resident set, which is trimmed to its bound."""
