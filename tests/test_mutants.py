@@ -12,6 +12,7 @@ from paramfsm.core.trace import Trace
 from paramfsm.engine.effects import executor
 from paramfsm.engine.effects.executor import Executor
 from paramfsm.engine.effects.grad_sync import UnsyncedGrads
+from paramfsm.engine.effects.paging import Pager
 from paramfsm.engine.events import events, graph_task, hooks
 from paramfsm.engine.events.higher_order import SecondOrderEntry
 from paramfsm.engine.schedule.backward import GraphTasks
@@ -19,6 +20,7 @@ from paramfsm.engine.schedule.deferral import Deferral
 from paramfsm.engine.schedule.grad_order import GradRouting
 from paramfsm.engine.schedule.on_demand import OnDemand
 from paramfsm.engine.schedule.prefetch import Prefetch
+from paramfsm.engine.schedule.residency import Residency
 from paramfsm.engine.schedule.scheduler import Scheduler
 from paramfsm.engine.schedule.shard_writes import ShardWrites
 from paramfsm.testing.mutants import format_table, main, run_catalogue, trace_check
@@ -51,7 +53,7 @@ def _patchable():
             executor.reduce_scatter_flat, dict(vars(amp.GradScaler)), grad_norm.clip_grad_norm_,
             checkpoint._flat_dtensor, vars(SecondOrderEntry)["backward"], full_state.load_full_state_dict,
             replay.replay, Trace._snapshot, dict(vars(UnsyncedGrads)), dict(vars(ShardWrites)),
-            gathered._write_back)
+            gathered._write_back, _methods(Residency), _methods(Pager))
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))

@@ -171,7 +171,7 @@ def probe(factory, seed: int = 0, per_rank: int = 2) -> Shape:
         attempt(f"block {name!r}", lambda: subject.model.get_submodule(name))
     loops = attempt("the user-loop ops", lambda: learn(subject, split(inputs, 1)[0], modules))
     return Shape(modules, subject.checkpoint, tensor_output, subject.create_graph, params, blocks, subject.meta,
-                 **loops)
+                 offload=subject.offload is not None, **loops)
 
 
 class _Search:
@@ -295,7 +295,8 @@ def verify(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, p
     message = outcome.message + (f"\n{outcome.detail}" if outcome.detail else "")
     script = render(program, _factory_name(factory), per_rank=per_rank, seed=seed, fail_at=outcome.op,
                     message=f"{outcome.kind} check failed: {outcome.message}", fault=fault,
-                    path=import_root(factory), world=world_size, meta=shape.meta, parts=shape.parts)
+                    path=import_root(factory), world=world_size, meta=shape.meta, parts=shape.parts,
+                    offload=shape.offload)
     finding = Finding(program, outcome.op, outcome.kind, outcome.message, message, script)
     return Report(search.runs, seconds, finding, search.first[0], search.first[1], rejected)
 

@@ -319,6 +319,7 @@ class Shape:
     params: tuple[tuple[str, int], ...] = ()
     blocks: tuple[str, ...] = ()
     meta: bool = False  # Subject(meta=True): the sharded model is a meta build (reproductions build it so)
+    offload: bool = False  # Subject(offload=...) is set: reproductions shard with it
     #: ``Subject(parts=...)``: module names, one optimizer each (empty: one optimizer over every parameter).
     parts: tuple[str, ...] = ()
     #: The part of each entry of ``params`` (all 0 without parts).

@@ -353,13 +353,13 @@ def configs(shape: Shape | None = None) -> st.SearchStrategy[Config]:
     kept = (kept_alternate(shape),) if shape is not None else ()
     return st.builds(
         Config,
+        offload=st.sampled_from((None, None, None, "cpu", "disk")),
         retain=st.sampled_from(("defer", "regather", "defer")),
         prefetch=st.sampled_from((1, 0, 2)),
         bucket_bytes=st.sampled_from((1 << 20, 1)),
         max_deferred_bytes=st.sampled_from((None, 4096, None)),
         param_dtype=st.sampled_from((None, "float16", "bfloat16")),
         reshard_after_forward=st.sampled_from((True, True, True, False) + kept),
-        offload=st.sampled_from((None, None, None, "cpu", "disk")),
     )
 
 

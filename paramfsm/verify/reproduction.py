@@ -44,13 +44,15 @@ INDENT = "    "
 
 def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at: int | None = None,
            message: str = "", fault: str | None = None, path: str | None = None, world: int | None = None,
-           meta: bool = False, parts: tuple[str, ...] = ()) -> str:
+           meta: bool = False, parts: tuple[str, ...] = (), offload: bool = False) -> str:
     """The program as a script for ``torchrun --nproc-per-node WORLD``; ``fail_at`` marks the failing op.
 
     ``fault``: the catalogued bug (:mod:`paramfsm.verify.faults`) the run injected; the script injects it too.
     ``path``: a folder the script puts first on ``sys.path`` (where the factory's module was imported from).
     ``meta``: the subject is ``Subject(meta=True)``: the script shards a meta build and initialises it.
     ``parts``: the subject's ``parts``: the script builds one optimizer per part, ``opts``.
+    ``offload``: the subject sets ``Subject(offload=...)``; the script shards with it (as it does with the
+    configuration's ``offload``).
     """
     script = _Script(frozenset(op.source for op in program.ops if isinstance(op, SubForward)), bool(parts))
     loops = sorted(({"record_inputs"} if script.sources else set())
@@ -61,7 +63,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
     used = sorted({type(op).__name__ for op in program.ops} | {"Config"})
     helpers = sorted({"perturbed" for op in program.ops if isinstance(op, (FullState, Checkpoint))}
                      | {"force_overflow" for op in program.ops if isinstance(op, Overflow)}
-                     | {"reentrant_blocks" for op in program.ops if getattr(op, "mode", "") == "reentrant"})
+                     | {"reentrant_blocks" for op in program.ops if getattr(op, "mode", "") == "reentrant"}
+                     | ({"offload_policy"} if offload or program.config.offload else set()))
     scaled = program.config.scaled
     quoted = message.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
     ranks = str(world) if world else "WORLD"
@@ -106,7 +109,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         f"    config = {program.config!r}",
         f"    check = Checker(subject, config, seed={seed}, per_rank={per_rank}"
         f"{', reference=reference' if meta else ''})  # plain torch, verify's checks",
-        *_shard_lines(program, meta),
+        *_shard_lines(program, meta, offload),
         *([f"    initialise(rt, subject, {seed})  # rt.init_weights(subject.init) after torch.manual_seed"]
           if meta else []),
         *([f"    scaler = paramfsm.amp.GradScaler(rt, {', '.join(f'{k}={v!r}' for k, v in SCALER.items())})"]
@@ -143,8 +146,10 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
     return "\n".join(lines) + "\n"
 
 
-def _shard_lines(program: Program, meta: bool = False) -> list[str]:
+def _shard_lines(program: Program, meta: bool = False, offload: bool = False) -> list[str]:
     c = program.config
+    tier = (",\n                        offload=offload_policy(subject, config, world)[0]"
+            if offload or c.offload else "")
     dtype = (f", param_dtype=torch.{c.param_dtype}, reduce_dtype=torch.float32" if c.param_dtype else "")
     device = ", device=next(reference.parameters()).device" if meta else ""
     kept = c.reshard_after_forward
@@ -152,7 +157,8 @@ def _shard_lines(program: Program, meta: bool = False) -> list[str]:
                f",\n                        reshard_after_forward=lambda name, module: name not in {kept!r}")
     return [f"    rt = paramfsm.shard(model, units=subject.units, retain={c.retain!r}, prefetch={c.prefetch}, "
             f"bucket_bytes={c.bucket_bytes},",
-            f"                        max_deferred_bytes={c.max_deferred_bytes}, trace=True{dtype}{device}{reshard})"]
+            f"                        max_deferred_bytes={c.max_deferred_bytes}, trace=True{dtype}{device}{reshard}"
+            f"{tier})"]
 
 
 def _batch_line(batch: int, seen: set[int]) -> list[str]:
