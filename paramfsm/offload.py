@@ -218,12 +218,21 @@ def _shard_values(rec, index):
 
 
 def optimizer_placement(plan_: OffloadPlan, optimizer, rec, unit_name: str, index: int):
-    """The placement of ``rec``'s optimizer state in ``optimizer`` (None when not offloaded or no state)."""
+    """The placement of ``rec``'s optimizer state in ``optimizer`` (None when not offloaded or no state).
+
+    A new placement is added to the residency (DIRTY: its values are written to the tier before they are
+    dropped). One whose tensors the optimizer no longer holds (``optimizer.load_state_dict`` replaced them)
+    is forgotten and made again from the new tensors, so the old tier copy is never read into them."""
     residency = plan_.residency
     key = (id(optimizer), rec)
     p = residency.optim.get(key)
-    if p is not None or unit_name not in plan_.optimizer_units:
+    if p is not None and residency.tracks(p):
         return p
+    if p is not None:  # its tensors were replaced (optimizer.load_state_dict): the old tier copy is stale
+        residency.forget([p])
+        del residency.optim[key]
+    if unit_name not in plan_.optimizer_units:
+        return None
     state = optimizer.state.get(rec.shard)
     if not state:
         return None
@@ -236,4 +245,4 @@ def optimizer_placement(plan_: OffloadPlan, optimizer, rec, unit_name: str, inde
         return None
     p = residency.optim[key] = Paged(rec.name, unit_name, "optim", values, plan_.optimizer_units[unit_name],
                                      key)
-    return p
+    return residency.add(p)

@@ -94,16 +94,11 @@ def _step_runtime(optimizer, scheduler, records, saved, stepped: set) -> None:
         residency.read(before)
         try:
             _step_only(optimizer, saved, {id(rec.shard) for rec in recs})
-            created = []
-            for rec in recs:
-                p = optimizer_placement(plan, optimizer, rec, unit.name, index[id(rec)])
-                if p is not None and p not in before:
-                    created.append(p)
             residency.written(before)
         finally:
             residency.release(before)
-        for p in created:
-            residency.add(p)
+        for rec in recs:  # state the step created (its first) gets its placement now
+            optimizer_placement(plan, optimizer, rec, unit.name, index[id(rec)])
         stepped.update(id(rec.shard) for rec in recs)
 
 

@@ -321,3 +321,38 @@ def test_a_load_after_an_evaluation_under_inference_mode_writes_the_paged_in_sha
     script = Path(__file__).resolve().parent / "reproductions" / "offload_inference_page_in.py"
     for status, output in ranks2.run(run_saved, str(script), timeout=240):
         assert status == 0, output
+
+
+def _load_state_steps(model, opt, batch):
+    """Two steps, the optimizer's state kept, a third step, that state loaded back, a fourth step."""
+    def step(i):
+        model(batch(i)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    step(0)
+    step(1)
+    kept = {"state": {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in entry.items()}
+                      for k, entry in opt.state_dict()["state"].items()},
+            "param_groups": opt.state_dict()["param_groups"]}
+    step(2)
+    opt.load_state_dict(kept)
+    step(3)
+
+
+def load_state_job(rank, world, folder):
+    model = _model()
+    rt = paramfsm.shard(model, offload=paramfsm.Offload(optimizer="disk", path=folder))
+    _load_state_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), lambda i: _batch(i).chunk(world)[rank])
+    full = rt.full_state_dict()
+    rt.close()
+    return full
+
+
+def test_optimizer_load_state_dict_under_offload_replaces_the_offloaded_state(ranks2, tmp_path):
+    """load_state_dict puts new state tensors in place of paged-out ones: the next step must use them,
+    never the tier's copy of the replaced state."""
+    model = _model()
+    _load_state_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), _batch)
+    for full in ranks2.run(load_state_job, str(tmp_path)):
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6)

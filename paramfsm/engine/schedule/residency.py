@@ -85,6 +85,10 @@ class Residency:
         self._trim()
         return p
 
+    def tracks(self, p: Paged) -> bool:
+        """Whether every tensor ``p`` stands for now is one this residency placed (none was replaced)."""
+        return all(self._by_tensor.get(tensor) is p for _, tensor in p.values())
+
     def forget(self, placements) -> None:
         """Stop tracking ``placements`` (their values were replaced, e.g. by an optimizer load)."""
         for p in placements:
