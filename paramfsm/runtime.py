@@ -206,9 +206,12 @@ class Runtime:
         """Load a plain (full) state dict: each rank keeps its slice of every parameter (tied keys: any one)."""
         full_state.load_full_state_dict(self, state_dict)
 
-    def sharded_state_dict(self) -> dict:
-        """This rank's shards as flat sharded DTensors (plus buffers), for ``torch.distributed.checkpoint``.
+    def sharded_state_dict(self, layout: str = "flat") -> dict:
+        """This rank's shards (plus buffers), for ``torch.distributed.checkpoint``.
 
+        ``layout="flat"``: flat sharded DTensors of ``(numel,)``; ``layout="model"``:
+        each parameter with its model shape, as the pieces this rank holds (the
+        standard layout, which plain models and FSDP2 load).
         ``dcp.save(rt.sharded_state_dict(), checkpoint_id=path)`` saves; a checkpoint
         saved on any number of ranks loads with ``sd = rt.sharded_state_dict();
         dcp.load(sd, checkpoint_id=path); rt.load_sharded_state_dict(sd)``. See
@@ -216,7 +219,7 @@ class Runtime:
         """
         from paramfsm import checkpoint  # DTensor and DCP: paid for by the first checkpoint, not by shard()
 
-        return checkpoint.sharded_state_dict(self)
+        return checkpoint.sharded_state_dict(self, layout=layout)
 
     def load_sharded_state_dict(self, state_dict) -> None:
         """Load a state dict shaped like :meth:`sharded_state_dict` (any saving world size, via DCP)."""

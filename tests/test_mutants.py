@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from paramfsm import amp, checkpoint, full_state, gathered, grad_norm
+from paramfsm import amp, full_state, gathered, grad_norm
+from paramfsm.checkpoint import layout as checkpoint_layout
 from paramfsm.core import replay
 from paramfsm.core.trace import Trace
 from paramfsm.engine.effects import executor
@@ -51,7 +52,7 @@ def _patchable():
             _methods(Executor),
             hooks._post_forward, events.ForwardCall.__del__, graph_task.queue_final_callback,
             executor.reduce_scatter_flat, dict(vars(amp.GradScaler)), grad_norm.clip_grad_norm_,
-            checkpoint._flat_dtensor, vars(SecondOrderEntry)["backward"], full_state.load_full_state_dict,
+            checkpoint_layout.valid_range, vars(SecondOrderEntry)["backward"], full_state.load_full_state_dict,
             replay.replay, Trace._snapshot, dict(vars(UnsyncedGrads)), dict(vars(ShardWrites)),
             gathered._write_back, _methods(Residency), _methods(Pager))
 

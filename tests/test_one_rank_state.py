@@ -231,9 +231,9 @@ def test_load_sharded_state_dict_copies_and_redistributes(one_rank):
 
 @pytest.mark.parametrize("bad,message", [
     ("missing", "sharded state dict is missing keys ['norm.bias']"),
-    ("plain", "'norm.bias': expected a DTensor of shape (6,) (from rt.sharded_state_dict()), got Tensor (6,)"),
-    ("shape", "'norm.bias': expected a DTensor of shape (6,) (from rt.sharded_state_dict()), got DTensor (5,)"),
-    ("number", "'norm.bias': expected a DTensor of shape (6,) (from rt.sharded_state_dict()), got int ()"),
+    ("plain", "'norm.bias': expected a DTensor of shape (6,) or pieces of shape (6,) (from rt.sharded_state_dict()), got Tensor (6,)"),
+    ("shape", "'norm.bias': expected a DTensor of shape (6,) or pieces of shape (6,) (from rt.sharded_state_dict()), got DTensor (5,)"),
+    ("number", "'norm.bias': expected a DTensor of shape (6,) or pieces of shape (6,) (from rt.sharded_state_dict()), got int ()"),
 ], ids=["missing", "plain", "shape", "number"])
 def test_a_bad_sharded_state_dict_is_refused(one_rank, bad, message):
     model = _model(0)

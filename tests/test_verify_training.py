@@ -145,7 +145,8 @@ def test_a_dcp_round_trip_catches_the_offset_fault(ranks2):
            Checkpoint())
     _passes(_outcomes(ranks2, "branchy_lm", Program(Config(), ops)))
     failed = _outcomes(ranks2, "branchy_lm", Program(Config(), ops), "checkpoint_offset_unpadded")
-    assert {o.kind for o in failed} == {"checkpoint", "peer"} and all(o.op == 5 for o in failed), failed
+    # the model-shaped pieces of the wrong range overlap their neighbour's: DCP refuses the save on every rank
+    assert all(o.failed and o.op == 5 and "overlapping chunks" in o.message for o in failed), failed
 
 
 def test_verify_kills_a_training_fault_at_world_3(ranks3):

@@ -14,19 +14,22 @@ A rank's shard is its 1/world slice of the flattened parameter, zero-padded
 to a multiple of world. Seen as the flattened, *unpadded* parameter of
 ``numel`` elements, rank r holds elements ``[r*s, min((r+1)*s, numel))``
 with ``s = ceil(numel / world)``, which is exactly the chunk
-``DTensor``'s ``Shard(0)`` gives rank r on a 1-D mesh. So every parameter is
-exposed as a 1-D ``DTensor`` of global shape ``(numel,)`` whose local tensor
-is a view of the valid part of the shard. DCP records each chunk's offset
-and reshards natively on load; because the local tensors are views, a DCP
-load writes straight into the shards. Buffers are plain (replicated) tensors.
+``DTensor``'s ``Shard(0)`` gives rank r on a 1-D mesh. Checkpoints saved
+before the standard layout hold every parameter this way, as a 1-D tensor of
+``(numel,)``; :func:`paramfsm.checkpoint.load` still reads them
+(:func:`flat_dtensor`), key by key, whatever layout each key was saved in.
 
+Checkpoints are saved in the standard layout: every tensor with its model
+shape, this rank's range cut into rectangular pieces (see
+[Note: a flat slice as rectangular pieces] in :mod:`paramfsm.checkpoint.layout`),
+so they load without paramfsm (plain ``dcp.load``, FSDP2, ``dcp_to_torch_save``).
 Keys are the model's own ``state_dict`` keys (a tied parameter appears under
-each of its names, like in ``model.state_dict()``). Values are flattened:
-reshape with the model's parameter shapes to use them without paramfsm (or
-load the checkpoint into a sharded model and call ``rt.full_state_dict()``).
+each of its names, like in ``model.state_dict()``). Buffers are plain
+(replicated) tensors.
 
 Optimizer state (``save``/``load`` with ``optimizer=``) works the same way
-for every state tensor shaped like its shard (Adam's moments, SGD's momentum);
+for every state tensor shaped like its shard (Adam's moments, SGD's momentum),
+saved with its parameter's shape under ``optim.<param name>.<state key>``;
 other entries (``step``) are saved as plain tensors, identical on all ranks.
 """
 
@@ -38,8 +41,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from paramfsm import meta, optim
+from paramfsm.checkpoint import layout as model_layout
 from paramfsm.core.spec import State
-from paramfsm.errors import ParamFSMError
+from paramfsm.errors import ArgumentError, ParamFSMError
 
 OPTIM_PREFIX = "optim."
 
@@ -58,12 +62,12 @@ def _mesh(rt) -> tuple[DeviceMesh, list]:
     return DeviceMesh.from_group(group, device), [Shard(0)]
 
 
-def _flat_dtensor(rt, where, rec, tensor: torch.Tensor) -> DTensor:
-    """The valid part of a shard-shaped tensor as a chunk of the flat ``(numel,)`` DTensor (``where``: ``_mesh``)."""
-    start = min(rt.rank * rec.shard_numel, rec.numel)
-    stop = min(start + rec.shard_numel, rec.numel)
+def flat_dtensor(rt, rec, tensor: torch.Tensor) -> DTensor:
+    """The valid part of a shard-shaped tensor as its chunk of the flat ``(numel,)`` DTensor: the layout of
+    checkpoints saved before model shapes, read by :func:`paramfsm.checkpoint.load`."""
+    start, stop = model_layout.valid_range(rt, rec)
     local = tensor.detach()[: stop - start]
-    mesh, placements = where
+    mesh, placements = _mesh(rt)
     return DTensor.from_local(local, mesh, placements, run_check=False,
                               shape=torch.Size((rec.numel,)), stride=(1,))
 
@@ -83,19 +87,43 @@ def _announce_write(rt, why: str) -> None:
     rt.scheduler.shards_written(records, records, why)
 
 
-def sharded_state_dict(rt) -> dict:
-    """The model's state dict with every parameter as a flat sharded DTensor viewing this rank's shard.
+LAYOUTS = ("flat", "model")
 
-    Save it with ``torch.distributed.checkpoint.save``; load a checkpoint of
-    any world size into it with ``torch.distributed.checkpoint.load`` (in
-    place), or pass a loaded dict to :func:`load_sharded_state_dict`.
+
+def _check_layout(value) -> None:
+    if value not in LAYOUTS:
+        raise ArgumentError(f"layout={value!r}: expected 'model' (every tensor with its model shape, this rank's "
+                            "pieces: the standard DCP layout) or 'flat' (1-D DTensors of (numel,))")
+
+
+def _shaped(rt, rec, tensor: torch.Tensor, how: str):
+    return model_layout.model_shaped(rt, rec, tensor) if how == "model" else flat_dtensor(rt, rec, tensor)
+
+
+def sharded_state_dict(rt, layout: str = "flat") -> dict:
+    """The model's state dict with every parameter viewing this rank's shard.
+
+    ``layout="flat"`` (the default, unchanged since the first release): a 1-D
+    ``Shard(0)`` DTensor of ``(numel,)`` per parameter. ``layout="model"``:
+    the parameter's model shape, as the rectangular pieces this rank holds
+    (:class:`paramfsm.checkpoint.model_layout.ShardPieces`); a DCP checkpoint of it
+    is an ordinary checkpoint of the model, the layout :func:`save` writes.
+    Save either with ``torch.distributed.checkpoint.save``; load a checkpoint
+    of any world size into it with ``torch.distributed.checkpoint.load`` (in
+    place: the values are views of the shards), or pass a loaded dict to
+    :func:`load_sharded_state_dict`.
     """
-    where = _mesh(rt)
+    _check_layout(layout)
     out = {}
     for key, value in rt.model.state_dict(keep_vars=True).items():
         rec = rt._by_id.get(id(value))
-        out[key] = _flat_dtensor(rt, where, rec, rec.shard) if rec is not None else value.detach()
+        out[key] = _shaped(rt, rec, rec.shard, layout) if rec is not None else value.detach()
     return out
+
+
+def _records_by_key(rt) -> dict:
+    """State-dict key -> the parameter's record (``None`` for a buffer)."""
+    return {key: rt._by_id.get(id(value)) for key, value in rt.model.state_dict(keep_vars=True).items()}
 
 
 def load_sharded_state_dict(rt, state_dict) -> None:
@@ -105,14 +133,18 @@ def load_sharded_state_dict(rt, state_dict) -> None:
     missing = [k for k in own if k not in state_dict]
     if missing:
         raise ParamFSMError(f"sharded state dict is missing keys {missing[:5]}")
+    recs = _records_by_key(rt)
     _announce_write(rt, "rt.load_sharded_state_dict()")
     with meta.setting_values(rt, "rt.load_sharded_state_dict"), torch.no_grad():
         for key, target in own.items():
             src = state_dict[key]
+            if isinstance(src, model_layout.ShardPieces):
+                model_layout.write_shard(rt, recs[key], recs[key].shard, src, key)
+                continue
             if isinstance(target, DTensor):
                 if not isinstance(src, DTensor) or src.shape != target.shape:
-                    raise ParamFSMError(f"'{key}': expected a DTensor of shape {tuple(target.shape)} "
-                                        "(from rt.sharded_state_dict()), got "
+                    raise ParamFSMError(f"'{key}': expected a DTensor of shape {tuple(target.shape)} or pieces of "
+                                        f"shape {tuple(recs[key].shape)} (from rt.sharded_state_dict()), got "
                                         f"{type(src).__name__} {tuple(getattr(src, 'shape', ()))}")
                 if src.placements != target.placements or src.device_mesh != target.device_mesh:
                     src = src.redistribute(target.device_mesh, target.placements)
@@ -154,9 +186,10 @@ def _init_optim_state(optimizer) -> None:
             p.grad = grad
 
 
-def sharded_optim_state_dict(rt, optimizer) -> dict:
-    """The optimizer's state keyed ``optim.<param name>.<state key>``, shard-shaped tensors as DTensors."""
-    where = _mesh(rt)
+def sharded_optim_state_dict(rt, optimizer, layout: str = "flat") -> dict:
+    """The optimizer's state keyed ``optim.<param name>.<state key>``; shard-shaped tensors in ``layout``
+    (as in :func:`sharded_state_dict`), other entries as they are."""
+    _check_layout(layout)
     recs = _optim_names(rt, optimizer)
     state = optimizer.state_dict()
     out = {}
@@ -165,7 +198,7 @@ def sharded_optim_state_dict(rt, optimizer) -> dict:
         for key, value in entries.items():
             name = f"{OPTIM_PREFIX}{rec.name}.{key}"
             if isinstance(value, torch.Tensor) and value.shape == rec.shard.shape:
-                out[name] = _flat_dtensor(rt, where, rec, value)
+                out[name] = _shaped(rt, rec, value, layout)
             else:
                 out[name] = value
     groups = []
@@ -178,7 +211,6 @@ def sharded_optim_state_dict(rt, optimizer) -> dict:
 def load_sharded_optim_state_dict(rt, optimizer, state_dict) -> None:
     """Load an optimizer state saved by :func:`sharded_optim_state_dict` (at any world size)."""
     _init_optim_state(optimizer)
-    own = sharded_optim_state_dict(rt, optimizer)
     recs = _optim_names(rt, optimizer)
     with torch.no_grad():
         for index, rec in recs.items():
@@ -187,12 +219,10 @@ def load_sharded_optim_state_dict(rt, optimizer, state_dict) -> None:
                 del optimizer.state[rec.shard]  # saved without state: it starts without, as in plain torch
                 continue
             for key in list(entries):
-                src = state_dict[f"{OPTIM_PREFIX}{rec.name}.{key}"]
-                dst = own[f"{OPTIM_PREFIX}{rec.name}.{key}"]
-                if isinstance(dst, DTensor):
-                    dst, src = dst.to_local(), src.to_local() if isinstance(src, DTensor) else src
-                    if dst.data_ptr() != src.data_ptr():
-                        dst.copy_(src)
+                name = f"{OPTIM_PREFIX}{rec.name}.{key}"
+                src = state_dict[name]
+                if isinstance(entries[key], torch.Tensor) and entries[key].shape == rec.shard.shape:
+                    model_layout.write_shard(rt, rec, entries[key], src, name)
                 elif isinstance(entries[key], torch.Tensor):
                     entries[key].copy_(src)
                 else:
@@ -211,5 +241,5 @@ from paramfsm.checkpoint.background import SaveHandle  # noqa: E402
 from paramfsm.checkpoint.folders import latest  # noqa: E402
 from paramfsm.checkpoint.saving import load, save  # noqa: E402
 
-__all__ = ["OPTIM_PREFIX", "SaveHandle", "latest", "load", "load_sharded_optim_state_dict", "load_sharded_state_dict",
-           "save", "sharded_optim_state_dict", "sharded_state_dict"]
+__all__ = ["LAYOUTS", "OPTIM_PREFIX", "SaveHandle", "flat_dtensor", "latest", "load", "load_sharded_optim_state_dict",
+           "load_sharded_state_dict", "save", "sharded_optim_state_dict", "sharded_state_dict"]

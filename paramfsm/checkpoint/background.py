@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from paramfsm.checkpoint import layout
 from paramfsm.errors import ParamFSMError
 
 logger = logging.getLogger(__name__)
@@ -103,14 +104,22 @@ def settle(rt, what: str) -> None:
 def stage(state: dict) -> tuple[dict, int]:
     """A copy of a state dict that later writes to the shards cannot change, and its size in bytes.
 
-    DTensors keep their placement metadata around a cloned local tensor (a
-    tied parameter's two keys share one clone); other tensors are cloned;
+    Model-shaped pieces keep their boxes over a cloned shard range, DTensors
+    their placement metadata around a cloned local tensor (a tied parameter's
+    two keys share one clone); other tensors are cloned;
     other values deep-copied.
     """
     clones: dict[tuple[int, int, tuple], torch.Tensor] = {}
     out, nbytes = {}, 0
     for key, value in state.items():
-        if isinstance(value, DTensor):
+        if isinstance(value, layout.ShardPieces):
+            ident = (value.flat.data_ptr(), value.flat.numel(), tuple(value.shape))
+            clone = clones.get(ident)
+            if clone is None:
+                clone = clones[ident] = value.flat.clone()
+                nbytes += clone.numel() * clone.element_size()
+            out[key] = value.with_flat(clone)
+        elif isinstance(value, DTensor):
             local = value.to_local()
             ident = (local.data_ptr(), local.numel(), tuple(local.shape))
             clone = clones.get(ident)

@@ -132,7 +132,7 @@ def read_manifest(path: Path) -> dict | None:
 
 def write_manifest(folder: Path, shapes: dict[str, list[int]], world: int, optimizer: bool) -> None:
     data = {"format": FORMAT, "version": 1, "saved_ns": time.time_ns(), "world": world,
-            "optimizer": optimizer, "shapes": shapes}
+            "optimizer": optimizer, "layout": "model", "shapes": shapes}
     file = folder / MANIFEST
     with open(file, "w") as out:
         json.dump(data, out)

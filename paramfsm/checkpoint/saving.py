@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import paramfsm.checkpoint as ck
 from paramfsm import meta
-from paramfsm.checkpoint import background, folders
+from paramfsm.checkpoint import background, folders, layout
 from paramfsm.errors import ArgumentError, ParamFSMError
 
 logger = logging.getLogger(__name__)
@@ -115,9 +115,9 @@ def save(rt, path, optimizer=None, *, keep_last: int | None = None, async_save: 
     ck._require_idle(rt, "save a sharded checkpoint")
     path = Path(os.path.abspath(path))
     group = ck._dcp_group(rt)
-    state = ck.sharded_state_dict(rt)
+    state = ck.sharded_state_dict(rt, layout="model")
     if optimizer is not None:
-        state.update(ck.sharded_optim_state_dict(rt, optimizer))
+        state.update(ck.sharded_optim_state_dict(rt, optimizer, layout="model"))
     shapes = {key: list(shape) for key, shape in _model_shapes(rt).items()}
     token = _prepare(group, path)
     folders.reach("prepared")
@@ -213,7 +213,7 @@ def load(rt, path, optimizer=None) -> None:
     except ParamFSMError as exc:
         error = str(exc)
     _agree(group, error)
-    own = ck.sharded_state_dict(rt)
+    own = _as_saved(rt, ck.sharded_state_dict(rt, layout="model"), metadata)
     _agree(group, _model_mismatch(own, _model_shapes(rt), metadata, folders.read_manifest(folder), path))
     if optimizer is not None:
         groups = f"{ck.OPTIM_PREFIX}param_groups"
@@ -225,8 +225,9 @@ def load(rt, path, optimizer=None) -> None:
         ck._init_optim_state(optimizer)
         # A parameter without optimizer state when the checkpoint was saved (no gradient yet) has none
         # saved: it is not asked for, and loads as plain torch's load_state_dict leaves it, without state.
-        wanted = {key: value for key, value in ck.sharded_optim_state_dict(rt, optimizer).items()
-                  if key in metadata or key == groups}
+        optim_state = ck.sharded_optim_state_dict(rt, optimizer, layout="model")
+        wanted = _as_saved(rt, {key: value for key, value in optim_state.items() if key in metadata or key == groups},
+                           metadata)
         _agree(group, _shape_mismatch(wanted, metadata, path))
         own.update(wanted)
     staged = _empty_like(own)
@@ -243,11 +244,27 @@ def load(rt, path, optimizer=None) -> None:
         ck.load_sharded_optim_state_dict(rt, optimizer, staged)
 
 
+def _as_saved(rt, state: dict, metadata: dict) -> dict:
+    """``state`` with each key the checkpoint holds in the flat ``(numel,)`` layout of older saves asked for as
+    a flat DTensor (:func:`paramfsm.checkpoint.flat_dtensor`), so such checkpoints still load."""
+    by_name = {rec.name: rec for rec in rt._by_id.values()}
+    out = dict(state)
+    for key, value in state.items():
+        if not isinstance(value, layout.ShardPieces):
+            continue
+        rec, size = by_name[value.key], getattr(metadata.get(key), "size", None)
+        if size is not None and tuple(size) == (rec.numel,) != tuple(rec.shape):
+            out[key] = ck.flat_dtensor(rt, rec, value.flat)
+    return out
+
+
 def _empty_like(state: dict) -> dict:
     """Tensors to read a checkpoint into, shaped and placed like ``state``'s (see :func:`load`)."""
     out = {}
     for key, value in state.items():
-        if isinstance(value, DTensor):
+        if isinstance(value, layout.ShardPieces):
+            out[key] = value.with_flat(torch.empty_like(value.flat))
+        elif isinstance(value, DTensor):
             out[key] = DTensor.from_local(torch.empty_like(value.to_local()), value.device_mesh, value.placements,
                                           run_check=False, shape=value.shape, stride=value.stride())
         elif isinstance(value, torch.Tensor):

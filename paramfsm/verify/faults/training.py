@@ -2,7 +2,7 @@
 
 Each function returns the context manager that injects one bug by patching
 ``paramfsm.amp.GradScaler``, ``paramfsm.grad_norm.clip_grad_norm_`` or
-``paramfsm.checkpoint._flat_dtensor`` for the duration of the block; the
+``paramfsm.checkpoint.layout.valid_range`` (the shard range both layouts save) for the duration of the block; the
 catalogue entries in :mod:`paramfsm.verify.faults` name each bug's source.
 """
 
@@ -12,9 +12,9 @@ import contextlib
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from paramfsm import amp, checkpoint, grad_norm, optim
+from paramfsm import amp, grad_norm, optim
+from paramfsm.checkpoint import layout as checkpoint_layout
 from paramfsm.verify.faults.patching import patched
 
 
@@ -73,11 +73,8 @@ def clip_without_clamp():
 
 def checkpoint_offset_unpadded():
     def make(original):
-        def _flat_dtensor(rt, where, rec, tensor):
-            right = original(rt, where, rec, tensor)
+        def valid_range(rt, rec):
             start = min(rt.rank * (rec.numel // rt.world), rec.numel)  # not the padded shard size
-            stop = min(start + rec.shard_numel, rec.numel)
-            return DTensor.from_local(tensor.detach()[: stop - start], right.device_mesh, right.placements,
-                                      run_check=False, shape=right.shape, stride=right.stride())
-        return _flat_dtensor
-    return patched(checkpoint, "_flat_dtensor", make)
+            return start, min(start + rec.shard_numel, rec.numel)
+        return valid_range
+    return patched(checkpoint_layout, "valid_range", make)
