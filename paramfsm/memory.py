@@ -10,6 +10,8 @@ of its shard and adds nothing.
 
 from __future__ import annotations
 
+import sys
+
 from paramfsm.core.spec import State
 from paramfsm.engine.storage import paged
 
@@ -51,6 +53,9 @@ def memory(rt) -> dict[str, int]:
     plan = getattr(rt, "offload", None)
     if plan is not None:
         held.update(plan.memory())
+    saves = sys.modules.get("paramfsm.checkpoint.background")
+    if saves is not None and saves.pending(rt) is not None:
+        held["checkpoint_staging"] = saves.staging_bytes(rt)
     return held
 
 

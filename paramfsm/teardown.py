@@ -7,6 +7,8 @@ Both remove every hook and forget the model, so it can be sharded again.
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 from paramfsm import accumulation, full_state, model_changes
@@ -54,6 +56,9 @@ def close(rt) -> nn.Module:
     """All-gather every parameter and gradient, restore them as plain tensors, remove every hook."""
     if rt.scheduler.closed:
         return rt.model
+    saves = sys.modules.get("paramfsm.checkpoint.background")  # imported by a save: none made, none to wait for
+    if saves is not None:
+        saves.settle(rt, "rt.close()")  # an asynchronous save still writing from the shards' staged copy
     accumulation.require_synced(rt, "rt.close()")  # it would hand back a partial .grad
     rt.flush()
     _page_in(rt)

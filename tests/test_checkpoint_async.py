@@ -138,3 +138,37 @@ def test_an_async_save_that_fails_raises_at_wait_and_else_at_the_next_save(ranks
             f"paramfsm.checkpoint.save to '{path}' failed: rank 1: OSError"), out["next save"]
         assert out["next save"].endswith("This save did not start; call it again to retry"), out["next save"]
         assert out["listing"] == ["ck", "other"] and out["previous kept"], out
+
+
+def close_job(rank, world, folder):
+    """``rt.memory()`` shows the staged copy while the save writes; ``rt.close()`` waits for the save."""
+    folder = Path(folder)
+    model, rt, opt = _setup()
+    _step(model, opt, rank, 0)
+    at_save = rt.full_state_dict()
+    before = rt.memory()
+    release = threading.Event()
+    folders.fault_hook = lambda point: release.wait(60) if point == "writing" else None
+    try:
+        handle = ck.save(rt, folder / "ck", optimizer=opt, async_save=True)
+        writing = rt.memory()
+        timer = threading.Timer(0.5, release.set)
+        timer.start()
+        rt.close()  # returns only after the held write was released and committed
+        done_at_close = handle.done()
+        timer.join()
+    finally:
+        folders.fault_hook = None
+    handle.wait()
+    loaded, _ = _loaded(folder / "ck")
+    return {"before": "checkpoint_staging" in before, "writing": writing["checkpoint_staging"],
+            "staged": handle.staged_bytes, "shards": writing["shards"], "done at close": done_at_close,
+            "loaded": _equal(loaded, at_save)}
+
+
+def test_close_waits_for_an_async_save_and_memory_shows_its_staged_copy(ranks2, tmp_path):
+    for result in ranks2.run(close_job, str(tmp_path)):
+        assert not result["before"], "no asynchronous save yet: no staging kind"
+        # the copy holds the shards and AdamW's two moments, like them: at least the shards' bytes
+        assert result["writing"] == result["staged"] >= result["shards"] > 0, result
+        assert result["done at close"] and result["loaded"], result

@@ -88,6 +88,17 @@ def start(rt, handle: SaveHandle) -> None:
     handle._thread.start()
 
 
+def pending(rt) -> SaveHandle | None:
+    """The runtime's latest asynchronous save (until the next save, load or close waits for it), or None."""
+    return _pending.get(rt)
+
+
+def staging_bytes(rt) -> int:
+    """The bytes of the staged copy the runtime's asynchronous save holds while it writes (0 once it ended)."""
+    handle = _pending.get(rt)
+    return 0 if handle is None or handle.done() else handle.staged_bytes
+
+
 def settle(rt, what: str) -> None:
     """Before a save or load: wait for the runtime's save in progress; raise its failure if nobody saw it."""
     handle = _pending.pop(rt, None)
