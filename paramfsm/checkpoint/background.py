@@ -27,7 +27,6 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from paramfsm.checkpoint import layout
 from paramfsm.errors import ParamFSMError
@@ -112,38 +111,52 @@ def settle(rt, what: str) -> None:
             raise ParamFSMError(f"{exc}. This {what} did not start; call it again to retry") from exc
 
 
+def _host_copy(tensor: torch.Tensor, on_device: list) -> torch.Tensor:
+    """A copy of ``tensor`` in host memory: a clone on the CPU, a pinned buffer filled asynchronously from an
+    accelerator (``on_device`` collects the devices to wait for)."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor.clone()
+    copy_ = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    copy_.copy_(tensor, non_blocking=True)
+    on_device.append(tensor.device)
+    return copy_
+
+
 def stage(state: dict) -> tuple[dict, int]:
     """A copy of a state dict that later writes to the shards cannot change, and its size in bytes.
 
-    Model-shaped pieces keep their boxes over a cloned shard range, DTensors
-    their placement metadata around a cloned local tensor (a tied parameter's
-    two keys share one clone); other tensors are cloned;
-    other values deep-copied.
+    Model-shaped pieces keep their boxes over a copied shard range (a tied
+    parameter's two keys share one copy); other tensors are copied; other
+    values deep-copied.
+
+    [Note: the staged copy lives in host memory]
+    GPU shards are copied into pinned host buffers with ``non_blocking``
+    copies on the current stream, then that stream is synchronised once: the
+    background thread reads the buffers only after every copy has landed, and
+    an optimizer step queued later on the same stream runs after the copies,
+    so it cannot change what is written. The copy costs host memory (one copy
+    of this rank's shards and optimizer state, ``SaveHandle.staged_bytes``),
+    never accelerator memory, and is freed when the write ends.
     """
-    clones: dict[tuple[int, int, tuple], torch.Tensor] = {}
+    copies: dict[tuple[int, int], torch.Tensor] = {}
+    on_device: list = []
     out, nbytes = {}, 0
     for key, value in state.items():
         if isinstance(value, layout.ShardPieces):
-            ident = (value.flat.data_ptr(), value.flat.numel(), tuple(value.shape))
-            clone = clones.get(ident)
-            if clone is None:
-                clone = clones[ident] = value.flat.clone()
-                nbytes += clone.numel() * clone.element_size()
-            out[key] = value.with_flat(clone)
-        elif isinstance(value, DTensor):
-            local = value.to_local()
-            ident = (local.data_ptr(), local.numel(), tuple(local.shape))
-            clone = clones.get(ident)
-            if clone is None:
-                clone = clones[ident] = local.detach().clone()
-                nbytes += clone.numel() * clone.element_size()
-            out[key] = DTensor.from_local(clone, value.device_mesh, value.placements, run_check=False,
-                                          shape=value.shape, stride=value.stride())
+            ident = (value.flat.data_ptr(), value.flat.numel())
+            copied = copies.get(ident)
+            if copied is None:
+                copied = copies[ident] = _host_copy(value.flat, on_device)
+                nbytes += copied.numel() * copied.element_size()
+            out[key] = value.with_flat(copied)
         elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().clone()
+            out[key] = _host_copy(value, on_device)
             nbytes += value.numel() * value.element_size()
         else:
             out[key] = copy.deepcopy(value)
+    for device in set(on_device):
+        torch.cuda.current_stream(device).synchronize()
     return out, nbytes
 
 
