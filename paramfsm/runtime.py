@@ -206,12 +206,13 @@ class Runtime:
         """Load a plain (full) state dict: each rank keeps its slice of every parameter (tied keys: any one)."""
         full_state.load_full_state_dict(self, state_dict)
 
-    def sharded_state_dict(self, layout: str = "flat") -> dict:
+    def sharded_state_dict(self, layout: str = "model") -> dict:
         """This rank's shards (plus buffers), for ``torch.distributed.checkpoint``.
 
-        ``layout="flat"``: flat sharded DTensors of ``(numel,)``; ``layout="model"``:
-        each parameter with its model shape, as the pieces this rank holds (the
-        standard layout, which plain models and FSDP2 load).
+        ``layout="model"`` (the default): each parameter with its model shape, as
+        the pieces this rank holds (the standard layout, which plain models and
+        FSDP2 load, and :func:`paramfsm.checkpoint.save` writes); ``layout="flat"``:
+        flat sharded DTensors of ``(numel,)``, the layout of the first releases.
         ``dcp.save(rt.sharded_state_dict(), checkpoint_id=path)`` saves; a checkpoint
         saved on any number of ranks loads with ``sd = rt.sharded_state_dict();
         dcp.load(sd, checkpoint_id=path); rt.load_sharded_state_dict(sd)``. See

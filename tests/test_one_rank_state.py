@@ -199,7 +199,7 @@ def test_sharded_state_dict_views_the_shards_as_flat_dtensors(one_rank):
     plain = copy.deepcopy(model).state_dict()
     rt = paramfsm.shard(model)
     try:
-        sd = rt.sharded_state_dict()
+        sd = rt.sharded_state_dict(layout="flat")
         assert list(sd) == list(plain)
         assert not isinstance(sd["shift"], DTensor) and torch.equal(sd["shift"], plain["shift"])
         for key in ["embed.weight", "norm.weight", "norm.bias", "head.weight"]:
@@ -219,7 +219,7 @@ def test_load_sharded_state_dict_copies_and_redistributes(one_rank):
     want = copy.deepcopy(other).state_dict()
     rt, rt_other = paramfsm.shard(model), paramfsm.shard(other)
     try:
-        sd = rt_other.sharded_state_dict()
+        sd = rt_other.sharded_state_dict(layout="flat")
         mesh = sd["norm.weight"].device_mesh
         sd["norm.weight"] = DTensor.from_local(want["norm.weight"].clone(), mesh, [Replicate()])
         rt.load_sharded_state_dict(sd)
@@ -239,7 +239,7 @@ def test_a_bad_sharded_state_dict_is_refused(one_rank, bad, message):
     model = _model(0)
     rt = paramfsm.shard(model)
     try:
-        sd = rt.sharded_state_dict()
+        sd = rt.sharded_state_dict(layout="flat")
         if bad == "missing":
             del sd["norm.bias"]
         elif bad == "plain":

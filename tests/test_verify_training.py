@@ -116,7 +116,7 @@ def chunk_job(rank, world):
     full = {k: v.detach().clone() for k, v in subject.model.state_dict().items()}
     rt = paramfsm.shard(subject.model)
     problems = []
-    for key, value in rt.sharded_state_dict().items():
+    for key, value in rt.sharded_state_dict(layout="flat").items():
         if not hasattr(value, "to_local"):
             continue
         chunks = full[key].reshape(-1).chunk(world)

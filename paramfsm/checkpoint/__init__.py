@@ -100,14 +100,15 @@ def _shaped(rt, rec, tensor: torch.Tensor, how: str):
     return model_layout.model_shaped(rt, rec, tensor) if how == "model" else flat_dtensor(rt, rec, tensor)
 
 
-def sharded_state_dict(rt, layout: str = "flat") -> dict:
+def sharded_state_dict(rt, layout: str = "model") -> dict:
     """The model's state dict with every parameter viewing this rank's shard.
 
-    ``layout="flat"`` (the default, unchanged since the first release): a 1-D
-    ``Shard(0)`` DTensor of ``(numel,)`` per parameter. ``layout="model"``:
-    the parameter's model shape, as the rectangular pieces this rank holds
-    (:class:`paramfsm.checkpoint.model_layout.ShardPieces`); a DCP checkpoint of it
+    ``layout="model"`` (the default): the parameter's model shape, as the
+    rectangular pieces this rank holds
+    (:class:`paramfsm.checkpoint.layout.ShardPieces`); a DCP checkpoint of it
     is an ordinary checkpoint of the model, the layout :func:`save` writes.
+    ``layout="flat"``: a 1-D ``Shard(0)`` DTensor of ``(numel,)`` per
+    parameter, the layout of the first releases.
     Save either with ``torch.distributed.checkpoint.save``; load a checkpoint
     of any world size into it with ``torch.distributed.checkpoint.load`` (in
     place: the values are views of the shards), or pass a loaded dict to
@@ -127,30 +128,31 @@ def _records_by_key(rt) -> dict:
 
 
 def load_sharded_state_dict(rt, state_dict) -> None:
-    """Copy a state dict shaped like :func:`sharded_state_dict` into the shards and buffers."""
+    """Copy a state dict shaped like :func:`sharded_state_dict` (either layout) into the shards and buffers."""
     _require_idle(rt, "load a sharded state dict")
-    own = sharded_state_dict(rt)
-    missing = [k for k in own if k not in state_dict]
+    recs = _records_by_key(rt)
+    missing = [k for k in recs if k not in state_dict]
     if missing:
         raise ParamFSMError(f"sharded state dict is missing keys {missing[:5]}")
-    recs = _records_by_key(rt)
+    buffers = {k: v.detach() for k, v in rt.model.state_dict(keep_vars=True).items() if recs[k] is None}
     _announce_write(rt, "rt.load_sharded_state_dict()")
     with meta.setting_values(rt, "rt.load_sharded_state_dict"), torch.no_grad():
-        for key, target in own.items():
+        for key, rec in recs.items():
             src = state_dict[key]
-            if isinstance(src, model_layout.ShardPieces):
-                model_layout.write_shard(rt, recs[key], recs[key].shard, src, key)
+            if rec is None:
+                dst = buffers[key]
+            elif isinstance(src, model_layout.ShardPieces):
+                model_layout.write_shard(rt, rec, rec.shard, src, key)
                 continue
-            if isinstance(target, DTensor):
+            else:
+                target = flat_dtensor(rt, rec, rec.shard)
                 if not isinstance(src, DTensor) or src.shape != target.shape:
                     raise ParamFSMError(f"'{key}': expected a DTensor of shape {tuple(target.shape)} or pieces of "
-                                        f"shape {tuple(recs[key].shape)} (from rt.sharded_state_dict()), got "
+                                        f"shape {tuple(rec.shape)} (from rt.sharded_state_dict()), got "
                                         f"{type(src).__name__} {tuple(getattr(src, 'shape', ()))}")
                 if src.placements != target.placements or src.device_mesh != target.device_mesh:
                     src = src.redistribute(target.device_mesh, target.placements)
                 dst, src = target.to_local(), src.to_local()
-            else:
-                dst = target
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
 
@@ -186,7 +188,7 @@ def _init_optim_state(optimizer) -> None:
             p.grad = grad
 
 
-def sharded_optim_state_dict(rt, optimizer, layout: str = "flat") -> dict:
+def sharded_optim_state_dict(rt, optimizer, layout: str = "model") -> dict:
     """The optimizer's state keyed ``optim.<param name>.<state key>``; shard-shaped tensors in ``layout``
     (as in :func:`sharded_state_dict`), other entries as they are."""
     _check_layout(layout)

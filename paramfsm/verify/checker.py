@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from paramfsm.checkpoint.layout import ShardPieces
 from paramfsm.core.spec import State
 from paramfsm.verify import checks, loop_helpers, rank_loss, sync_checks, user_loops
 from paramfsm.verify.mirror import Mirror, loss_of, penalised  # noqa: F401 - re-exported for the runner
@@ -133,7 +134,10 @@ class Checker:
             failure = exc
         elif exc is not None and not desync:
             detail = "".join(traceback.format_exception(exc, limit=-6))
-            failure = Failed("exception", [f"{type(exc).__name__}: {exc}"], detail)
+            message = str(exc)
+            for path in self.scratch:  # a temporary folder's name differs between runs: not in the finding
+                message = message.replace(path, "<scratch folder>")
+            failure = Failed("exception", [f"{type(exc).__name__}: {message}"], detail)
         elif not desync:
             try:
                 self._track(self._op)
@@ -300,20 +304,24 @@ class Checker:
         self._agreed("state dict", problems)
 
     def sharded(self, state_dict) -> None:
-        """After a DCP save: every parameter's DTensor holds exactly this rank's ``Shard(0)`` chunk of the
-        flattened reference parameter (the chunk ``torch.chunk`` gives it), and buffers are the reference's."""
+        """After a DCP save: every parameter's value holds exactly this rank's ``Shard(0)`` chunk of the
+        flattened reference parameter (the chunk ``torch.chunk`` gives it: a flat DTensor's local tensor, or
+        the range a model-shaped value's pieces cover), and buffers are the reference's."""
         want = dict(self.mirror.model.state_dict())
         problems = []
         for key, value in state_dict.items():
-            if not isinstance(value, DTensor):
+            if not isinstance(value, (DTensor, ShardPieces)):
                 if checks.close(value, want[key], self.atol, self.rtol) is not None:
                     problems.append(f"buffer '{key}' of the sharded state dict differs from the reference's")
                 continue
             flat = want[key].detach().reshape(-1)
             size = -(-flat.numel() // self.world)
             chunk = flat[min(self.rank * size, flat.numel()):min((self.rank + 1) * size, flat.numel())]
-            local = value.to_local()
-            if local.shape != chunk.shape:
+            local = value.flat if isinstance(value, ShardPieces) else value.to_local()
+            if isinstance(value, ShardPieces) and tuple(value.shape) != tuple(want[key].shape):
+                problems.append(f"'{key}': saved with shape {tuple(value.shape)}, the model's is "
+                                f"{tuple(want[key].shape)}")
+            elif local.shape != chunk.shape:
                 problems.append(f"'{key}': this rank's DTensor chunk has {local.numel()} elements, its Shard(0) "
                                 f"chunk of {flat.numel()} on {self.world} ranks has {chunk.numel()}")
             elif checks.close(local, chunk, self.atol, self.rtol) is not None:

@@ -250,7 +250,7 @@ def _render_training_op(op, seen: set[int], script: _Script) -> list[str]:
                 f"rt.load_full_state_dict({load})", "del sd"]
     if isinstance(op, Checkpoint):
         return ["path = check.scratch_dir()  # one folder for every rank", "paramfsm.checkpoint.save(rt, path)",
-                "check.sharded(rt.sharded_state_dict())  # each DTensor holds this rank's Shard(0) chunk",
+                "check.sharded(rt.sharded_state_dict())  # each value holds this rank's Shard(0) range",
                 "rt.load_full_state_dict(perturbed(rt.full_state_dict()))", "paramfsm.checkpoint.load(rt, path)"]
     if isinstance(op, RequiresGrad):
         return [f"model.get_parameter({op.param!r}).requires_grad_({op.flag})"]
@@ -297,7 +297,7 @@ def _render_user_loop_op(op, seen: set[int], script: _Script) -> list[str]:
         return ["saved_path = check.checkpoint_dir()  # one folder for every rank, kept to the end",
                 f"for i, o in {optimizers}:",
                 '    paramfsm.checkpoint.save(rt, f"{saved_path}/{i}", optimizer=o)',
-                "check.sharded(rt.sharded_state_dict())  # each DTensor holds this rank's Shard(0) chunk"]
+                "check.sharded(rt.sharded_state_dict())  # each value holds this rank's Shard(0) range"]
     if isinstance(op, Restore):
         if op.full:
             return ["rt.load_full_state_dict(saved_sd)"]

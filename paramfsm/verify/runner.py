@@ -38,7 +38,7 @@ After every op (see :mod:`paramfsm.verify.checks`):
 - after a scaler's step, the loss scale is plain torch's (every rank made
   the reference's skip decision); a clip returns plain torch's total norm;
   ``rt.full_state_dict()`` is the reference's state dict; a DCP checkpoint's
-  DTensors hold exactly this rank's ``Shard(0)`` chunk of each parameter.
+  values hold exactly this rank's ``Shard(0)`` range of each parameter (model-shaped pieces by default).
 
 At the end the trace must replay through the spec, every gradient must have
 been reduced at most once per graph task, and ``rt.close()`` must restore the
