@@ -186,9 +186,16 @@ def _write(state, path: Path, token: str, group, shapes, with_optimizer: bool, k
                  + (f"'{path}' holds the new checkpoint; removing older ones (keep_last={keep_last}) failed"
                     if outcome[0] else
                     f"'{path}' was not replaced: it still holds the previous checkpoint, if there was one, and "
-                    "training can continue. What to do: check that the folder is writable with free space, "
-                    "then save again"))
+                    "training can continue. What to do: " + _advice(error)))
     _agree(group, error)
+
+
+def _advice(error: str) -> str:
+    """What to do after a failed save: a plan DCP refused is a wrong state dict, anything else the folder."""
+    if "validate global plan" in error:
+        return ("the pieces the ranks offered do not tile each tensor (a bug in how the sharded state dict was "
+                "built, not in the folder); report it with this message. Saving again will fail the same way")
+    return "check that the folder is writable with free space, then save again"
 
 
 def load(rt, path, optimizer=None) -> None:
