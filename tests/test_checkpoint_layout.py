@@ -72,18 +72,25 @@ def _train(rt, model, opt, rank, steps=2):
 
 def _full_optim(rt, opt) -> dict:
     """Each shard-shaped optimizer entry as a full tensor of its parameter's shape (collective)."""
-    flat = ck.sharded_optim_state_dict(rt, opt)
+    flat = ck.sharded_optim_state_dict(rt, opt, layout="flat")
     shapes = {rec.name: rec.shape for rec in rt._by_id.values()}
     out = {}
     for key, value in flat.items():
         if isinstance(value, torch.distributed.tensor.DTensor):
             name = key[len(ck.OPTIM_PREFIX):].rsplit(".", 1)[0]
             out[key] = value.full_tensor().view(shapes[name])
+    assert len(out) == 2 * len(shapes), sorted(out)  # AdamW's two moments of every parameter
     return out
 
 
 def _equal(a: dict, b: dict) -> list[str]:
+    assert b, "nothing to compare"
     return [k for k in b if k not in a or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])]
+
+
+def _full(state_dict: dict) -> dict:
+    """An FSDP2 state dict with every DTensor gathered (collective)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in state_dict.items()}
 
 
 def plain_reads_job(rank, world, folder):
@@ -141,14 +148,13 @@ def fsdp2_job(rank, world, folder):
     fsdp = _fsdp2(_net(seed=7))
     sd = fsdp.state_dict()
     dcp.load(sd, checkpoint_id=str(folder / "ours"))
-    fsdp_full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in fsdp.state_dict().items()}
-    out = {"fsdp2 reads ours": _equal(fsdp_full, want)}
+    out = {"fsdp2 reads ours": _equal(_full(fsdp.state_dict()), want)}
     # FSDP2's own checkpoint (row chunks, no paramfsm manifest), read by paramfsm
     trained = _fsdp2(_net(seed=3))
     fsdp_opt = torch.optim.SGD(trained.parameters(), lr=0.1)
     _train(None, trained, fsdp_opt, rank)
     dcp.save(trained.state_dict(), checkpoint_id=str(folder / "theirs"))
-    theirs = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in trained.state_dict().items()}
+    theirs = _full(trained.state_dict())
     ck.load(rt, folder / "theirs")
     out["ours reads fsdp2"] = _equal(rt.full_state_dict(), theirs)
     return out
@@ -166,9 +172,11 @@ def legacy_job(rank, world, folder):
     rt = paramfsm.shard(model)
     opt = torch.optim.AdamW(rt.shard_parameters(), lr=1e-2)
     _train(rt, model, opt, rank)
-    old = rt.sharded_state_dict()  # layout="flat", as checkpoints were written before
-    old.update(ck.sharded_optim_state_dict(rt, opt))
+    old = rt.sharded_state_dict(layout="flat")  # as checkpoints were written before the model layout
+    old.update(ck.sharded_optim_state_dict(rt, opt, layout="flat"))
     dcp.save(old, checkpoint_id=str(folder / "old"))
+    saved = dcp.FileSystemReader(str(folder / "old")).read_metadata().state_dict_metadata
+    assert tuple(saved["proj.weight"].size) == (15,) and tuple(saved["optim.proj.weight.exp_avg"].size) == (15,)
     want, want_optim = rt.full_state_dict(), _full_optim(rt, opt)
     other = _net(seed=9)
     rt_other = paramfsm.shard(other)

@@ -62,12 +62,13 @@ def _mesh(rt) -> tuple[DeviceMesh, list]:
     return DeviceMesh.from_group(group, device), [Shard(0)]
 
 
-def flat_dtensor(rt, rec, tensor: torch.Tensor) -> DTensor:
+def flat_dtensor(rt, rec, tensor: torch.Tensor, where=None) -> DTensor:
     """The valid part of a shard-shaped tensor as its chunk of the flat ``(numel,)`` DTensor: the layout of
-    checkpoints saved before model shapes, read by :func:`paramfsm.checkpoint.load`."""
+    checkpoints saved before model shapes, read by :func:`paramfsm.checkpoint.load`. ``where``: ``_mesh(rt)``,
+    made once by a caller that converts many tensors."""
     start, stop = model_layout.valid_range(rt, rec)
     local = tensor.detach()[: stop - start]
-    mesh, placements = _mesh(rt)
+    mesh, placements = where if where is not None else _mesh(rt)
     return DTensor.from_local(local, mesh, placements, run_check=False,
                               shape=torch.Size((rec.numel,)), stride=(1,))
 
@@ -96,8 +97,9 @@ def _check_layout(value) -> None:
                             "pieces: the standard DCP layout) or 'flat' (1-D DTensors of (numel,))")
 
 
-def _shaped(rt, rec, tensor: torch.Tensor, how: str):
-    return model_layout.model_shaped(rt, rec, tensor) if how == "model" else flat_dtensor(rt, rec, tensor)
+def _shaped(rt, rec, tensor: torch.Tensor, where):
+    """``tensor`` in the model layout (``where`` None) or as a flat DTensor on ``where`` (``_mesh(rt)``)."""
+    return model_layout.model_shaped(rt, rec, tensor) if where is None else flat_dtensor(rt, rec, tensor, where)
 
 
 def sharded_state_dict(rt, layout: str = "model") -> dict:
@@ -115,10 +117,11 @@ def sharded_state_dict(rt, layout: str = "model") -> dict:
     :func:`load_sharded_state_dict`.
     """
     _check_layout(layout)
+    where = _mesh(rt) if layout == "flat" else None
     out = {}
     for key, value in rt.model.state_dict(keep_vars=True).items():
         rec = rt._by_id.get(id(value))
-        out[key] = _shaped(rt, rec, rec.shard, layout) if rec is not None else value.detach()
+        out[key] = _shaped(rt, rec, rec.shard, where) if rec is not None else value.detach()
     return out
 
 
@@ -135,6 +138,7 @@ def load_sharded_state_dict(rt, state_dict) -> None:
     if missing:
         raise ParamFSMError(f"sharded state dict is missing keys {missing[:5]}")
     buffers = {k: v.detach() for k, v in rt.model.state_dict(keep_vars=True).items() if recs[k] is None}
+    where = None  # the flat DTensors' mesh, made at the first one
     _announce_write(rt, "rt.load_sharded_state_dict()")
     with meta.setting_values(rt, "rt.load_sharded_state_dict"), torch.no_grad():
         for key, rec in recs.items():
@@ -145,7 +149,8 @@ def load_sharded_state_dict(rt, state_dict) -> None:
                 model_layout.write_shard(rt, rec, rec.shard, src, key)
                 continue
             else:
-                target = flat_dtensor(rt, rec, rec.shard)
+                where = where if where is not None else _mesh(rt)
+                target = flat_dtensor(rt, rec, rec.shard, where)
                 if not isinstance(src, DTensor) or src.shape != target.shape:
                     raise ParamFSMError(f"'{key}': expected a DTensor of shape {tuple(target.shape)} or pieces of "
                                         f"shape {tuple(rec.shape)} (from rt.sharded_state_dict()), got "
@@ -192,6 +197,7 @@ def sharded_optim_state_dict(rt, optimizer, layout: str = "model") -> dict:
     """The optimizer's state keyed ``optim.<param name>.<state key>``; shard-shaped tensors in ``layout``
     (as in :func:`sharded_state_dict`), other entries as they are."""
     _check_layout(layout)
+    where = _mesh(rt) if layout == "flat" else None
     recs = _optim_names(rt, optimizer)
     state = optimizer.state_dict()
     out = {}
@@ -200,7 +206,7 @@ def sharded_optim_state_dict(rt, optimizer, layout: str = "model") -> dict:
         for key, value in entries.items():
             name = f"{OPTIM_PREFIX}{rec.name}.{key}"
             if isinstance(value, torch.Tensor) and value.shape == rec.shard.shape:
-                out[name] = _shaped(rt, rec, value, layout)
+                out[name] = _shaped(rt, rec, value, where)
             else:
                 out[name] = value
     groups = []

@@ -255,13 +255,14 @@ def _as_saved(rt, state: dict, metadata: dict) -> dict:
     """``state`` with each key the checkpoint holds in the flat ``(numel,)`` layout of older saves asked for as
     a flat DTensor (:func:`paramfsm.checkpoint.flat_dtensor`), so such checkpoints still load."""
     by_name = {rec.name: rec for rec in rt._by_id.values()}
-    out = dict(state)
+    out, where = dict(state), None
     for key, value in state.items():
         if not isinstance(value, layout.ShardPieces):
             continue
         rec, size = by_name[value.key], getattr(metadata.get(key), "size", None)
         if size is not None and tuple(size) == (rec.numel,) != tuple(rec.shape):
-            out[key] = ck.flat_dtensor(rt, rec, value.flat)
+            where = where if where is not None else ck._mesh(rt)
+            out[key] = ck.flat_dtensor(rt, rec, value.flat, where)
     return out
 
 
