@@ -166,8 +166,9 @@ class FullState:
 
 @attrs.frozen(slots=True)
 class Checkpoint:
-    """A sharded DCP checkpoint: ``dcp.save(rt.sharded_state_dict())``, the parameters perturbed, then
-    ``dcp.load`` into ``rt.sharded_state_dict()`` and ``rt.load_sharded_state_dict``: back where it was."""
+    """A sharded DCP checkpoint: ``paramfsm.checkpoint.save(rt, path)``, each value of
+    ``rt.sharded_state_dict()`` checked against the reference's slice, the parameters perturbed, then
+    ``paramfsm.checkpoint.load(rt, path)``: back where it was."""
 
 
 @attrs.frozen(slots=True)
