@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     parser.add_argument("--base", type=Path, required=True, help="checkout A (holds paramfsm/ and specs/)")
     parser.add_argument("--head", type=Path, default=HERE.parent,
                         help="checkout B (default: this one; a copy keeps edits made during the run out of it)")
-    parser.add_argument("--models", nargs="+", default=["a", "t"], choices=["a", "b", "t"])
+    parser.add_argument("--models", nargs="+", default=["a", "t"], choices=["a", "u", "b", "t"])
     parser.add_argument("--jobs", nargs="+", default=["w1", "w2", "w2s"], choices=["w1", "w2", "w2s", "fsdp2"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)

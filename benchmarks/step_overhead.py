@@ -1,7 +1,9 @@
 """Median time per training step (forward + backward + optimizer step), all measured in one run.
 
-Three models (and model (c), below):
-  (a) 200 x Linear(8, 8), batch 32: framework overhead (the compute is tiny);
+Four models (and model (c), below):
+  (a) 200 x Linear(8, 8), batch 32: framework overhead (the compute is tiny); its
+      57 KB are one unit under the default units (``min_unit_bytes``, 64 KiB);
+  (u) model (a) with one unit per Linear (``units=[nn.Linear]``): the per-unit cost;
   (b) 16 x Linear(1024, 1024), batch 32: real work;
   (t) 8 GPT-style blocks (causal self-attention and an MLP, two LayerNorms, biases:
       12 parameters each) of width 128, batch 8 x 32 tokens, one unit per block:
@@ -31,7 +33,8 @@ recorded from a real step and issued back to back with no compute). With
 perfect overlap a world-2 step costs max(compute, communication); with none,
 their sum. Its last columns give the overhead per unit per step, in
 microseconds: paramfsm's step minus plain torch's, and minus "hooks only",
-divided by the number of units (default units; one per block for (t)).
+divided by the number of units that hold parameters (default units; one per
+Linear for (u), one per block for (t)).
 
 A second table prices the trace at world 2, in the same rounds: no trace
 (``trace=0``), the default flight recorder (a bounded ring), every transition
@@ -56,7 +59,7 @@ from torch.utils.checkpoint import checkpoint
 
 from paramfsm.launch import RankPool
 
-MODELS = {"a": (200, 8), "b": (16, 1024), "c": (8, 256), "t": (8, 128)}
+MODELS = {"a": (200, 8), "u": (200, 8), "b": (16, 1024), "c": (8, 256), "t": (8, 128)}
 #: ``units=paramfsm.by_size(min_bytes=BY_SIZE)`` for the "w2 by_size" column.
 BY_SIZE = 1 << 20
 #: Model (c)'s variants: activation checkpointing per block.
@@ -86,13 +89,15 @@ class GPTBlock(nn.Module):
 
 
 def units_of(name: str):
-    """``shard(units=...)`` for model ``name``: one unit per block for (t), else the defaults."""
-    return [GPTBlock] if name == "t" else None
+    """``shard(units=...)`` for model ``name``: one unit per block for (t), per Linear for (u), else the defaults."""
+    return {"t": [GPTBlock], "u": [nn.Linear]}.get(name)
 
 
 def unit_count(name: str) -> int:
-    """Units of model ``name`` under :func:`units_of` (each Linear is one by default)."""
-    return MODELS[name][0]
+    """Units of model ``name`` under :func:`units_of` that hold parameters (the root of (a) holds them all)."""
+    from paramfsm.engine.storage.units import build_units
+
+    return sum(1 for unit in build_units(build(name), units_of(name), 0, 1)[0] if unit.records)
 
 
 def batch_of(name: str) -> torch.Tensor:

@@ -8,6 +8,7 @@ concern has one module.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import os
@@ -31,7 +32,7 @@ from paramfsm.engine.events.compile_guard import eager
 from paramfsm.engine.schedule import reshard
 from paramfsm.engine.schedule.flight import FlightRecorder, make_trace
 from paramfsm.engine.schedule.scheduler import Scheduler
-from paramfsm.engine.storage import partitioned, placeholder
+from paramfsm.engine.storage import default_units, partitioned, placeholder
 from paramfsm.engine.storage.units import build_units, select_unit_modules
 from paramfsm.engine.storage.unsupported import refuse_unsupported
 from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
@@ -42,11 +43,12 @@ RETAIN_POLICIES = ("defer", "regather")
 # parameter's owning model class, so sharding twice is refused with a clear message.
 SHARDED = WeakIdKeyDictionary()
 PARTITIONED = WeakIdKeyDictionary()
+log = logging.getLogger("paramfsm")
 
 
 def check_arguments(model: nn.Module, group, units, mesh, *, retain, max_deferred_bytes, prefetch, trace, spec,
                     strict, bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, sync_module_states,
-                    reshard_after_forward):
+                    reshard_after_forward, min_unit_bytes=None):
     """Refuse what ``shard`` cannot take, before anything is partitioned or communicated.
 
     Returns ``(group, replicate_group, timeout seconds, unit modules)``. A wrong
@@ -63,6 +65,13 @@ def check_arguments(model: nn.Module, group, units, mesh, *, retain, max_deferre
     check_count("prefetch", prefetch, "a number of buckets >= 0 to gather ahead of use (0: none)")
     check_count("bucket_bytes", bucket_bytes, "a number of bytes >= 0 (consecutive units are gathered, and "
                 "gradients reduce-scattered, together up to that size; 0: each alone)")
+    check_count("min_unit_bytes", min_unit_bytes, "None or a number of bytes >= 0 (under the default units, a "
+                "module holding less joins its parent's unit; 0: none joins; None: $PARAMFSM_MIN_UNIT_BYTES, or "
+                "64 KiB)", optional=True)
+    try:
+        min_unit_bytes = default_units.min_unit_bytes(min_unit_bytes)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
     check_timeout(collective_timeout)
     for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
         check_dtype(name, dtype)
@@ -81,7 +90,7 @@ def check_arguments(model: nn.Module, group, units, mesh, *, retain, max_deferre
             raise ParamFSMError(f"parameter '{name}' is already partitioned by paramfsm (it belongs to a "
                                 f"sharded {owner}); shard the outermost model once, "
                                 "or call rt.close() on the other runtime first")
-    unit_modules = select_unit_modules(model, units)
+    unit_modules = select_unit_modules(model, units, min_unit_bytes)
     try:
         limit = timeout_s(collective_timeout)
     except ValueError as exc:  # $PARAMFSM_COLLECTIVE_TIMEOUT: the argument itself is checked above
@@ -203,6 +212,8 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
     rt.executor.unit_names = full_state.collective_names(rt.units, records)
     if debug:
         rt.executor.rank_check = "header"
+        log.info("paramfsm units of %s on rank %d:\n%s", type(model).__name__, trace_rank,
+                 default_units.describe(rt.units))
     for rec in records:
         partitioned.adopt(rec.param, rec, trace_rank)
         rt.executor.free((rec,))

@@ -54,7 +54,9 @@ def train(rank: int, world: int, steps: int, out: str) -> dict:
     torch.manual_seed(0)
     model = TinyTransformer(vocab=VOCAB, dim=DIM, depth=DEPTH, seq=SEQ)
     ref = Reference(model, lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9))
-    rt = paramfsm.shard(model, trace=True, strict=True)
+    # The model is 120 KB, one unit under the default min_unit_bytes (64 KiB per unit at least);
+    # 0 keeps a unit per module, so the trace shows parameters gathered and released unit by unit.
+    rt = paramfsm.shard(model, trace=True, strict=True, min_unit_bytes=0)
     opt = torch.optim.SGD(rt.shard_parameters(), lr=0.2, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
     worst_grad = worst_param = 0.0

@@ -18,6 +18,7 @@ from paramfsm import accumulation, assembly, full_state, grad_norm, materialize,
 from paramfsm import offload as offload_module
 from paramfsm.core.spec import State
 from paramfsm.engine.events import graph_task as gt
+from paramfsm.engine.storage.default_units import describe
 from paramfsm.engine.storage.units import ParamRecord
 from paramfsm.errors import ParamFSMError
 from paramfsm.gathered import gathered as gathered_block
@@ -27,12 +28,17 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
           prefetch: int = 1, trace=False, spec=None, *, strict: bool = False,
           bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False,
           collective_timeout: float | None = None, mesh=None, device=None,
-          sync_module_states: bool = False, reshard_after_forward=True, offload=None) -> "Runtime":
+          sync_module_states: bool = False, reshard_after_forward=True, offload=None,
+          min_unit_bytes: int | None = None) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
-    ``units``: None (every module owning parameters directly), ``by_size(...)``,
-    a predicate ``(name, module) -> bool``, or a list of module classes, modules
-    of the model and predicates; a class or module that matches nothing raises
+    ``units``: None (the default units: the blocks named in the model's
+    ``_no_split_modules``, else every module owning parameters directly, a module
+    holding less than ``min_unit_bytes`` joining its parent's unit (None:
+    ``$PARAMFSM_MIN_UNIT_BYTES``, else 64 KiB; 0: none joins);
+    ``rt.describe_units()`` shows the choice), ``by_size(...)``, a predicate
+    ``(name, module) -> bool``, or a list of module classes, modules of the
+    model and predicates; a class or module that matches nothing raises
     ``ArgumentError`` when no entry matches, else warns ``UnmatchedUnits``
     (:func:`paramfsm.engine.storage.units.select_unit_modules`). Every argument is checked
     before anything changes: a wrong type raises ``ArgumentTypeError``, a wrong
@@ -91,7 +97,8 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
         model, group, units, mesh, retain=retain, max_deferred_bytes=max_deferred_bytes, prefetch=prefetch,
         trace=trace, spec=spec, strict=strict, bucket_bytes=bucket_bytes, param_dtype=param_dtype,
         reduce_dtype=reduce_dtype, debug=debug, collective_timeout=collective_timeout,
-        sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward)
+        sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
+        min_unit_bytes=min_unit_bytes)
     rt = Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
                  bucket_bytes, param_dtype, reduce_dtype, debug, limit,
                  mesh if replicate_group is not None else None, replicate_group, device, mesh,
@@ -126,6 +133,12 @@ class Runtime:
                                 "is not a parameter partitioned by this runtime; names are "
                                 f"qualified as in model.named_parameters(), e.g. {next(iter(self._by_name))!r}")
         return rec
+
+    def describe_units(self) -> str:
+        """A table of the units: each one's module, parameter count, bytes and why it was chosen
+        (``units=``, ``_no_split_modules``, a module owning parameters, the root, and the small
+        modules merged into it); logged at INFO on the "paramfsm" logger with ``debug=True``."""
+        return describe(self.units)
 
     def state(self, param_or_name) -> State:
         return self.record(param_or_name).state

@@ -12,6 +12,11 @@ from paramfsm.launch import RankPool
 # Flight-recorder dumps of tests that fail on purpose go here, not into the checkout; rank pools
 # inherit the variable. A test that reads dumps points it at its own directory.
 os.environ.setdefault("PARAMFSM_TRACE_DIR", tempfile.mkdtemp(prefix="paramfsm-dumps-"))
+# The suite's models are a few KB, and under the default min_unit_bytes (64 KiB) each would be one
+# unit, so nothing would run between units: keep one unit per parameter-owning module (and each
+# declared block) everywhere. The tests of the default itself (tests/test_default_units_*.py) clear
+# it in-process and pass min_unit_bytes to ranks; rank pools inherit the variable.
+os.environ["PARAMFSM_MIN_UNIT_BYTES"] = "0"
 
 
 @pytest.fixture(scope="session")

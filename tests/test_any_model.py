@@ -43,7 +43,7 @@ def tokens(step: int, world: int) -> torch.Tensor:
 
 def tied_head_job(rank, world, retain):
     torch.manual_seed(0)
-    pair = Pair(TiedHead(), rank, world, retain=retain)
+    pair = Pair(TiedHead(), rank, world, retain=retain, min_unit_bytes=0)  # tiny: no merging, emb stays a unit
     model, ref, rt = pair.model, pair.ref.model, pair.rt
     reduces = []
     with warnings.catch_warnings(record=True) as caught:
@@ -104,7 +104,8 @@ class Attention(nn.Module):
 
 def attention_job(rank, world, units):
     torch.manual_seed(0)
-    pair = Pair(Attention(), rank, world, **({} if units is None else {"units": units}))
+    # min_unit_bytes=0: the modules are tiny, and the point is which ones are units before any merging.
+    pair = Pair(Attention(), rank, world, **({"min_unit_bytes": 0} if units is None else {"units": units}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(2):

@@ -1,5 +1,7 @@
 """Every parameterised module of ``torch.nn``, under the default units, trains 3 steps on 2 gloo ranks
-like plain torch on the global batch.
+like plain torch on the global batch: with one unit per parameter-owning module (``min_unit_bytes=0``,
+as in the rest of the suite) and with the real default (64 KiB: these modules are smaller, so the whole
+model is the root unit).
 
 One job on the shared rank pool runs every case (spawning is what costs); the
 parametrised test reads its result. Each module sits inside a wrapper with no
@@ -22,9 +24,12 @@ from patterns_common import Pair
 from torch import nn
 
 import paramfsm
+from paramfsm.engine.storage.default_units import MIN_UNIT_BYTES
 from paramfsm.testing import rank_slice
 
 N = 4  # rows per rank
+#: ``min_unit_bytes`` of each pass: one unit per module, and the real default.
+SETTINGS = (0, MIN_UNIT_BYTES)
 
 
 def _floats(*shape):
@@ -98,12 +103,14 @@ class Wrap(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def _case(name: str, rank: int, world: int) -> str:
+def _case(name: str, rank: int, world: int, min_unit_bytes: int) -> str:
     build, inputs, per_rank = CASES[name]
     torch.manual_seed(0)
     model = Wrap(build())
     local_stats = copy.deepcopy(model.module) if per_rank else None
-    pair = Pair(model, rank, world)
+    pair = Pair(model, rank, world, min_unit_bytes=min_unit_bytes)
+    if min_unit_bytes:
+        assert len(pair.rt.units) == 1, f"{name}: {pair.rt.describe_units()}"
     for step in range(3):
         batch = inputs(torch.Generator().manual_seed(step), world)
         mine = [rank_slice(t, rank, world) for t in batch]
@@ -128,10 +135,11 @@ def _case(name: str, rank: int, world: int) -> str:
 def sweep_job(rank, world):
     results = {}
     for name in CASES:
-        try:
-            results[name] = _case(name, rank, world)
-        except Exception:  # noqa: BLE001 - reported per case by the test
-            results[name] = traceback.format_exc(limit=-4)
+        for min_unit_bytes in SETTINGS:
+            try:
+                results[name, min_unit_bytes] = _case(name, rank, world, min_unit_bytes)
+            except Exception:  # noqa: BLE001 - reported per case by the test
+                results[name, min_unit_bytes] = traceback.format_exc(limit=-4)
     try:
         paramfsm.shard(Wrap(nn.Embedding(10, 6, max_norm=1.0)))
         results["max_norm"] = "no error"
@@ -145,10 +153,12 @@ def sweep(ranks2):
     return ranks2.run(sweep_job, timeout=300)
 
 
+@pytest.mark.parametrize("min_unit_bytes", SETTINGS, ids=["per-module", "default"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_torch_nn_module_trains_like_plain_torch(sweep, name):
+def test_torch_nn_module_trains_like_plain_torch(sweep, name, min_unit_bytes):
     for rank, results in enumerate(sweep):
-        assert results[name] == "ok", f"rank {rank}:\n{results[name]}"
+        got = results[name, min_unit_bytes]
+        assert got == "ok", f"rank {rank}:\n{got}"
 
 
 def test_embedding_max_norm_is_refused(sweep):

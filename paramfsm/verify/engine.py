@@ -154,8 +154,8 @@ def probe(factory, seed: int = 0, per_rank: int = 2) -> Shape:
         except Exception as exc:  # noqa: BLE001 - the user's code: summarised in one line
             raise FactoryError(factory, f"{what}: {describe(exc)}", user_frame(exc)) from exc
 
-    modules = tuple(name for name in attempt("units", lambda: select_unit_modules(subject.model, subject.units))
-                    if name)
+    chosen = attempt("units", lambda: select_unit_modules(subject.model, subject.units, subject.min_unit_bytes))
+    modules = tuple(name for name in chosen if name)
     attempt("the model cannot run under paramfsm", lambda: refuse_unsupported(subject.model))
     attempt("the plain-torch reference needs copy.deepcopy(model)", lambda: copy.deepcopy(subject.model))
     inputs, _ = attempt("make_batch", lambda: global_batch(subject, 0, seed, 1, per_rank))

@@ -155,8 +155,9 @@ def _shard_lines(program: Program, meta: bool = False, offload: bool = False) ->
     kept = c.reshard_after_forward
     reshard = ("" if kept is True else f", reshard_after_forward={kept}" if kept is False else
                f",\n                        reshard_after_forward=lambda name, module: name not in {kept!r}")
-    return [f"    rt = paramfsm.shard(model, units=subject.units, retain={c.retain!r}, prefetch={c.prefetch}, "
-            f"bucket_bytes={c.bucket_bytes},",
+    return [f"    rt = paramfsm.shard(model, units=subject.units, min_unit_bytes=subject.min_unit_bytes, "
+            f"retain={c.retain!r},",
+            f"                        prefetch={c.prefetch}, bucket_bytes={c.bucket_bytes},",
             f"                        max_deferred_bytes={c.max_deferred_bytes}, trace=True{dtype}{device}{reshard}"
             f"{tier})"]
 

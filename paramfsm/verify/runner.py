@@ -120,7 +120,8 @@ class Run:
         self.offload, self.folder = offload_policy(subject, c, world)
         dtype = compute_dtype(c)
         self.upcast = dtype is not None
-        self.rt = paramfsm.shard(self.model, group=group, units=subject.units, retain=c.retain, prefetch=c.prefetch,
+        self.rt = paramfsm.shard(self.model, group=group, units=subject.units, min_unit_bytes=subject.min_unit_bytes,
+                                 retain=c.retain, prefetch=c.prefetch,
                                  bucket_bytes=c.bucket_bytes, max_deferred_bytes=c.max_deferred_bytes,
                                  trace=True, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                  reshard_after_forward=reshard_policy(c), offload=self.offload,

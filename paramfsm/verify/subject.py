@@ -51,6 +51,9 @@ class Subject:
     """A model with its batch maker and loss, plus how verification may use it.
 
     ``units``: the ``units=`` argument of :func:`paramfsm.shard`.
+    ``min_unit_bytes``: its ``min_unit_bytes=`` argument; 0 (no module merges into its
+    parent's unit) unless given, as lifetimes go wrong between units and a verification
+    model is small enough that the default (64 KiB) would make it one unit; None: the default.
     ``checkpoint``: whether programs may run the whole model under
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
     ``create_graph``: whether programs may take gradient penalties
@@ -77,6 +80,7 @@ class Subject:
     make_batch: Callable[[torch.Generator, int], tuple]
     loss_fn: Callable[[Any, Any], torch.Tensor]
     units: Any = None
+    min_unit_bytes: int | None = 0
     checkpoint: bool = True
     create_graph: bool = True
     optimizer: Callable = sgd

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from paramfsm.core.fsm import Lifetime
-from paramfsm.engine.storage.default_units import default_unit_names
+from paramfsm.engine.storage import default_units
+from paramfsm.engine.storage.default_units import ROOT_REASON, choose
 from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
 
 
@@ -58,15 +59,18 @@ ROOT = "<root>"
 class Unit:
     """A module whose parameters are gathered in one collective."""
 
-    __slots__ = ("index", "name", "module", "records", "nbytes", "live_graphs")
+    __slots__ = ("index", "name", "module", "records", "nbytes", "live_graphs", "reason", "merged")
 
-    def __init__(self, index: int, name: str, module: nn.Module, records: Sequence[ParamRecord]):
+    def __init__(self, index: int, name: str, module: nn.Module, records: Sequence[ParamRecord],
+                 reason: str = "", merged: Sequence[str] = ()):
         self.index = index
         self.name = name or ROOT
         self.module = module
         self.records = tuple(records)
         self.nbytes = sum(r.nbytes for r in self.records)
         self.live_graphs = 0  # forward calls of this unit still referenced by an autograd graph
+        self.reason = reason  # why it is a unit (rt.describe_units())
+        self.merged = tuple(merged)  # the small modules whose parameters joined it
 
     def __repr__(self) -> str:
         return f"<Unit {self.index} {self.name} params={len(self.records)}>"
@@ -141,15 +145,25 @@ class UnitModules(dict):
 
     ``paramfsm.shard`` checks ``units=`` before it changes anything and hands the
     choice on in this form, so the entries are matched (and warned about) once.
+    ``reasons`` says why each is a unit and ``merged`` which small modules joined it
+    (the default units only), for ``rt.describe_units()``.
     """
 
+    def __init__(self, items, reasons: dict[str, str], merged: dict[str, list[str]] | None = None):
+        super().__init__(items)
+        self.reasons = reasons
+        self.merged = merged or {}
 
-def select_unit_modules(model: nn.Module, units: UnitsArg) -> UnitModules:
+
+def select_unit_modules(model: nn.Module, units: UnitsArg, min_unit_bytes: int | None = None) -> UnitModules:
     """Qualified name -> module for every unit module, in module order; the root is always a unit.
 
-    ``units`` may be None (every module that directly owns parameters, with the
-    ``torch.nn`` modules that read their children's parameters as one unit each:
-    :mod:`paramfsm.engine.storage.default_units`), a :class:`by_size` policy, a
+    ``units`` may be None (the blocks the model declares in ``_no_split_modules``,
+    the ``torch.nn`` modules that read their children's parameters, and every other
+    module owning parameters directly, each merged into its parent when it holds
+    less than ``min_unit_bytes`` (None: ``$PARAMFSM_MIN_UNIT_BYTES``, else 64 KiB):
+    :mod:`paramfsm.engine.storage.default_units`; ``min_unit_bytes`` plays no part
+    otherwise), a :class:`by_size` policy, a
     predicate ``(qualified_name, module) -> bool``, one module class, or a list
     whose entries are module classes, module instances of the model and
     predicates (a module is a unit when any entry selects it). A list where no
@@ -162,8 +176,9 @@ def select_unit_modules(model: nn.Module, units: UnitsArg) -> UnitModules:
         return units
     named = list(model.named_modules(remove_duplicate=True))
     if units is None:
-        chosen = default_unit_names(named)
-    elif isinstance(units, by_size):
+        reasons, merged = choose(named, default_units.min_unit_bytes(min_unit_bytes))
+        return UnitModules(((name, m) for name, m in named if name in reasons), reasons, merged)
+    if isinstance(units, by_size):
         chosen = units.select(model)
     elif callable(units) and not isinstance(units, (type, nn.Module)):
         chosen = {name for name, m in named if units(name, m)}
@@ -172,8 +187,9 @@ def select_unit_modules(model: nn.Module, units: UnitsArg) -> UnitModules:
         matched = [_selected(named, entry) for entry in entries]
         _check_matched(model, named, entries, matched)
         chosen = set().union(*matched)
-    chosen.add("")
-    return UnitModules((name, m) for name, m in named if name in chosen)
+    why = repr(units) if isinstance(units, by_size) else "units="
+    reasons = {name: why if name else ROOT_REASON for name, _ in named if name in chosen or not name}
+    return UnitModules(((name, m) for name, m in named if name in reasons), reasons)
 
 
 def unit_entries(units) -> tuple:
@@ -334,7 +350,8 @@ def build_units(model: nn.Module, units: UnitsArg, rank: int, world: int, *, dev
     built = []
     for name, module in unit_modules.items():
         if members[name] or not name:  # the root always: it may read others' parameters (on_demand)
-            built.append(Unit(len(built), name, module, members[name]))
+            built.append(Unit(len(built), name, module, members[name], unit_modules.reasons[name],
+                              unit_modules.merged.get(name, ())))
     for unit in built:
         for rec in unit.records:
             rec.units = rec.units + (unit,)
