@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from paramfsm import accumulation, optim
-from paramfsm.engine.effects.collectives import all_reduce_max
+from paramfsm import accumulation, full_state, optim
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -60,7 +59,7 @@ class GradScaler(torch.amp.GradScaler):
             agreed = torch.zeros((), dtype=torch.float32, device=found_inf.device)
             for flag in per_device.values():
                 agreed += flag.to(agreed.device)
-            all_reduce_max(agreed, rt.group, rt.executor.timed_wait("all-reduce of the scaler's found_inf", ()))
+            agreed = full_state.all_reduce(rt, agreed.reshape(1), "max", full_state.REDUCTIONS[1])[0]
             for flag in per_device.values():
                 flag.copy_(agreed)
             per_device.setdefault(agreed.device, agreed)

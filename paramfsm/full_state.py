@@ -27,6 +27,18 @@ rank. Paired with a collective of another size, gloo aborts the process
 before any tag is read. With ``debug=True`` a fixed-size header is
 all-gathered first, so every pairing raises RankDesync on every rank before
 the payload moves. Gathers count in ``rt.counters`` like any other.
+
+[Note: the runtime's small all-reduces are checked gathers]
+``rt.clip_grad_norm_`` and ``paramfsm.amp.GradScaler`` agree a few numbers
+across ranks (a norm, a found-inf flag). A plain ``dist.all_reduce`` is a gloo
+collective outside the exchanges' size agreement: a rank that skips a step
+(``continue`` before its forward) but still clips sits in it while its peers
+gather, and both wait until ``CollectiveTimeout``. So :func:`all_reduce`
+all-gathers every rank's values with a tag (index ``units + 2 * params`` for
+the norm, ``+ 1`` for the scaler), which takes the exchanges' agreement like
+any gather, and every rank reduces the rows itself in rank order (the same
+bits everywhere). The desync then raises RankDesync on every rank, naming
+the norm's collective against the peers' gathers.
 """
 
 from __future__ import annotations
@@ -37,10 +49,12 @@ import torch.distributed as dist
 from paramfsm import meta
 from paramfsm.core.spec import State
 from paramfsm.engine.effects import kernels, rankcheck
-from paramfsm.engine.effects.collectives import all_gather_flat
+from paramfsm.engine.effects.collectives import all_gather_flat, coalesced
 from paramfsm.errors import ParamFSMError
 
 PARAMETER, GRADIENT = "parameter", "gradient"
+#: The all-reduces of :func:`all_reduce`, in the order of their tag indices after the full tensors'.
+REDUCTIONS = ("the gradient norm", "the scaler's found_inf")
 
 
 def collective_names(units, records) -> tuple[str, ...]:
@@ -48,7 +62,48 @@ def collective_names(units, records) -> tuple[str, ...]:
     names = [unit.name for unit in units]
     for rec in records:
         names += [f"<full {PARAMETER} '{rec.name}'>", f"<full {GRADIENT} '{rec.name}'>"]
-    return tuple(names)
+    return tuple(names + [f"<all-reduce of {what}>" for what in REDUCTIONS])
+
+
+def _step(rt) -> int:
+    """The step a full-tensor collective is tagged with: the named one (``rt.set_step``), else the pass's."""
+    step = rt.scheduler.pinned_step
+    if step is None:
+        ex = rt.executor
+        step = ex.ctx.step if ex.ctx is not None else 0
+    return step
+
+
+def all_reduce(rt, values: torch.Tensor, op: str, what: str) -> torch.Tensor:
+    """``values`` (1-D) summed (``op="sum"``) or maximised (``"max"``) over the ranks, rank-checked.
+
+    ``what`` is one of :data:`REDUCTIONS`. Collective: see [Note: the runtime's
+    small all-reduces are checked gathers]. Returns a new tensor, the same on every rank.
+    """
+    ex, world = rt.executor, rt.world
+    flat = values.detach().reshape(-1)
+    fields = (ex.counters.all_gathers, _step(rt), len(rt.units) + 2 * len(rt._index) + REDUCTIONS.index(what),
+              flat.numel())
+    name = f"all-reduce of {what}"
+    tagged, named = ex.rank_check == "tag" and flat.device.type == "cpu", None
+    if tagged:  # its exchanges' header names it, so a desync's message does (or a blocking header agrees it)
+        named = ex.agree_first("all-gather", fields, flat, ())
+    elif ex.rank_check == "header":
+        rankcheck.check_header(fields, rt.rank, world, rt.group, ex.unit_names, "all-gather",
+                               ex.timed_wait(f"rank-check header of the {name}", ()))
+    send = torch.cat([flat, rankcheck.encode(fields, flat.dtype, flat.device)]) if tagged else flat.clone()
+    recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
+    with coalesced(named):
+        work = all_gather_flat(recv, send, rt.group, async_op=True)
+    ex.timed_wait(name, ())(work)
+    rows = recv.view(world, -1)
+    if tagged:
+        rankcheck.check_encoded(rows[:, -rankcheck.TAG_NUMEL:], rt.rank, ex.unit_names)
+    rows = rows[:, : flat.numel()]
+    total = rows[0].clone()
+    for row in rows[1:]:  # rank order, so every rank adds the same numbers in the same order
+        total = total + row if op == "sum" else torch.maximum(total, row)
+    return total
 
 
 def gather(rt, rec, tensor: torch.Tensor, kind: str = PARAMETER, keep: bool = True) -> torch.Tensor | None:
@@ -63,10 +118,7 @@ def gather(rt, rec, tensor: torch.Tensor, kind: str = PARAMETER, keep: bool = Tr
         return shard[: rec.numel].view(rec.shape).clone() if keep else None
     ex, world = rt.executor, rt.world
     index = len(rt.units) + 2 * rt._index[id(rec)] + (kind == GRADIENT)
-    step = rt.scheduler.pinned_step  # rt.set_step names the step of every collective from now on
-    if step is None:
-        step = ex.ctx.step if ex.ctx is not None else 0
-    fields = (ex.counters.all_gathers, step, index, rec.shard_numel)
+    fields = (ex.counters.all_gathers, _step(rt), index, rec.shard_numel)
     what = f"all-gather of the full {kind} '{rec.name}'"
     tagged = ex.rank_check == "tag" and shard.device.type == "cpu"
     if ex.rank_check == "header":

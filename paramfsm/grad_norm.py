@@ -11,6 +11,10 @@ p > 0 and infinity that equals the flat formula above. For p = 0 it does not:
 the per-parameter "norm" counts nonzero elements and the total counts the
 parameters whose gradient has any, so the shards' nonzero counts are summed
 per parameter (one all-reduce of a vector) before counting.
+
+The all-reduce is the caller's ``reduce(values, op)``: the runtime passes its
+rank-checked one (:func:`paramfsm.full_state.all_reduce`), so a rank that clips
+while its peers gather raises RankDesync instead of waiting.
 """
 
 from __future__ import annotations
@@ -19,17 +23,17 @@ import math
 
 import torch
 
-from paramfsm.engine.effects.collectives import all_reduce_max, all_reduce_sum
 from paramfsm.errors import ParamFSMError
 
 
-def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, group=None, world: int = 1,
-                    error_if_nonfinite: bool = False, wait=None) -> torch.Tensor:
+def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False,
+                    reduce=None) -> torch.Tensor:
     """Clip the shard gradients in place so the global ``norm_type``-norm is at most ``max_norm``.
 
-    Collective: every rank calls it. Returns the total norm (before clipping)
-    as a float32 tensor, identical on every rank. ``wait``: how the host waits
-    for the all-reduce (a time-limited waiter, see :func:`paramfsm.engine.effects.collectives.waiter`).
+    Collective when ``reduce`` is given: every rank calls it. Returns the total
+    norm (before clipping) as a float32 tensor, identical on every rank.
+    ``reduce(values, op)``: ``values`` (1-D) summed (``op="sum"``) or maximised
+    (``"max"``) over the ranks, as a new tensor; None: one rank, nothing to reduce.
     """
     norm_type = float(norm_type)
     grads = [s.grad for s in shards if s.grad is not None]
@@ -37,22 +41,22 @@ def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, group=No
     if norm_type == 0.0:
         counts = torch.tensor([float(torch.count_nonzero(s.grad)) if s.grad is not None else 0.0
                                for s in shards], dtype=torch.float64, device=device)
-        if world > 1:
-            all_reduce_sum(counts, group, wait)
+        if reduce is not None:
+            counts = reduce(counts, "sum")
         total = torch.count_nonzero(counts).float()
     elif norm_type == math.inf:
         maxima = [g.detach().abs().max().float() for g in grads if g.numel()]
         local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
         total = local.clone().reshape(1)
-        if world > 1:
-            all_reduce_max(total, group, wait)
+        if reduce is not None:
+            total = reduce(total, "max")
         total = total[0]
     else:
         local = torch.zeros(1, dtype=torch.float64, device=device)
         for g in grads:
             local += g.detach().double().abs().pow(norm_type).sum()
-        if world > 1:
-            all_reduce_sum(local, group, wait)
+        if reduce is not None:
+            local = reduce(local, "sum")
         total = local[0].pow(1.0 / norm_type).float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise ParamFSMError(f"the total norm of order {norm_type} of the gradients is not finite "

@@ -246,9 +246,10 @@ class Runtime:
         """``torch.nn.utils.clip_grad_norm_`` over the shard gradients; returns the total norm. Collective."""
         accumulation.require_synced(self, "rt.clip_grad_norm_()")
         with self._reporting():
-            return grad_norm.clip_grad_norm_(
-                self.shard_parameters(), max_norm, norm_type, group=self.group, world=self.world,
-                error_if_nonfinite=error_if_nonfinite, wait=self.executor.timed_wait("all-reduce of the norm", ()))
+            reduce = None if self.world == 1 else (
+                lambda values, op: full_state.all_reduce(self, values, op, full_state.REDUCTIONS[0]))
+            return grad_norm.clip_grad_norm_(self.shard_parameters(), max_norm, norm_type,
+                                             error_if_nonfinite=error_if_nonfinite, reduce=reduce)
 
     # ------------------------------------------------------------------ control
     def set_step(self, step: int) -> None:

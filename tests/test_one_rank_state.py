@@ -122,7 +122,8 @@ def test_a_gather_that_keeps_nothing_and_the_names_of_full_tensor_collectives(on
         names = full_state.collective_names(rt.units, list(rt._by_id.values()))
         assert names == tuple(unit.name for unit in rt.units) + (
             "<full parameter 'weight'>", "<full gradient 'weight'>",
-            "<full parameter 'bias'>", "<full gradient 'bias'>")
+            "<full parameter 'bias'>", "<full gradient 'bias'>",
+            "<all-reduce of the gradient norm>", "<all-reduce of the scaler's found_inf>")
     finally:
         rt.close()
 

@@ -243,3 +243,52 @@ def test_a_rank_that_never_waits_for_a_gather_of_another_unit_raises_rank_desync
     for status, output in results:
         assert status == 0, output
         assert "every rank raised RankDesync" in output, output
+
+
+def skipped_step_clip_job(rank, world):
+    """Rank 1 skips step 2's forward and backward (``continue`` before the forward, but it clips and steps),
+    so its gradient-norm all-reduce meets rank 0's first gather of that step. The ranks have issued
+    different gathers since, so this runtime cannot close in step; a new one trains."""
+    torch.manual_seed(0)
+    model = Heads()
+    rt = paramfsm.shard(model, collective_timeout=20)
+    opt = torch.optim.SGD(rt.shard_parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    caught = None
+    try:
+        for step in range(4):
+            if not (rank == 1 and step == 2):
+                opt.zero_grad()
+                a, _ = model(x)
+                a.pow(2).mean().backward()
+            rt.clip_grad_norm_(1.0)
+            opt.step()
+    except paramfsm.ParamFSMError as exc:
+        caught = {"type": type(exc).__name__, "message": str(exc)}
+    rt.reset()
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    torch.manual_seed(1)
+    fresh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    ref = Reference(fresh)
+    rt2 = paramfsm.shard(fresh, collective_timeout=30)
+    x, = global_batch(world, 2, (4,), seed=3)
+    fresh(rank_slice(x, rank, world)).pow(2).mean().backward()
+    ref.model(x).pow(2).mean().backward()
+    norm = rt2.clip_grad_norm_(0.1)
+    want = torch.nn.utils.clip_grad_norm_(ref.model.parameters(), 0.1)
+    assert want > 0.1 and torch.allclose(norm, want), (norm, want)  # it clipped, with the same norm
+    grads = {n: rt2.full_grad(n) for n, _ in fresh.named_parameters()}
+    rt2.close()
+    assert_close_dicts(grads, ref.grads(), what="a new runtime's clipped gradients after the desync")
+    return caught, total.item()
+
+
+def test_a_rank_that_skips_a_step_but_clips_raises_rank_desync_on_every_rank(ranks2):
+    results = ranks2.run(skipped_step_clip_job, timeout=120)
+    for rank, (caught, total) in enumerate(results):
+        assert caught is not None and caught["type"] == "RankDesync", f"rank {rank}: {caught}"
+        message = caught["message"]
+        assert "ranks [0, 1]" in message and "unit '<all-reduce of the gradient norm>'" in message, message
+        assert "unit 'body'" in message, message  # rank 0's side: the first gather of its step
+        assert total == 3.0

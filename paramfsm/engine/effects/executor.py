@@ -243,7 +243,7 @@ class Executor(Gathers):
                 rankcheck.check_header(fields, self.rank, self.world, self.group, self.unit_names,
                                        "reduce-scatter", self.timed_wait("rank-check header", records))
             else:
-                named = self._agree_first("reduce-scatter", fields, grads[0], records)
+                named = self.agree_first("reduce-scatter", fields, grads[0], records)
         # An issued reduce-scatter holds its full-size input until it is waited on: bound how many
         # are in flight (the oldest completes before another is issued) so gradient memory stays bounded.
         while len(self._reduces) >= MAX_REDUCES_IN_FLIGHT:

@@ -105,7 +105,7 @@ class Gathers:
                 if tagged:
                     numels += (rankcheck.TAG_NUMEL * self.world,)
                     shards.append(rankcheck.encode(fields, dtype, first.device))
-                    named = self._agree_first("all-gather", fields, first, records)
+                    named = self.agree_first("all-gather", fields, first, records)
                 else:
                     rankcheck.check_header(fields, self.rank, self.world, self.group, self.unit_names,
                                            "all-gather", self.timed_wait("rank-check header", records))
@@ -128,7 +128,7 @@ class Gathers:
         return (rec.nbytes >= PERSISTENT_BYTES and rec.numel % self.world == 0 and shard.dtype == dtype
                 and shard.device.type == "cpu")
 
-    def _agree_first(self, what: str, fields: tuple[int, ...], tensor, records) -> tuple[int, ...] | None:
+    def agree_first(self, what: str, fields: tuple[int, ...], tensor, records) -> tuple[int, ...] | None:
         """Agree the sizes of the collective ``what`` (tagged ``fields``) before it moves, by default on
         gloo (see [Note: two ways to carry the tag] in :mod:`paramfsm.engine.effects.rankcheck`): the fields that
         name its exchanges' header, or None after a blocking header (a gloo collective) or where nothing
