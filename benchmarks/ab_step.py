@@ -37,6 +37,8 @@ PREFIX = "@@ab "
 # The server: reads one job a line (JSON), answers one line starting with PREFIX.
 SERVER = """
 import json, sys
+import paramfsm
+print(PREFIX + json.dumps(paramfsm.__file__), flush=True)
 from paramfsm.launch import RankPool
 import step_overhead as so
 with RankPool(1) as one, RankPool(2) as two:
@@ -64,8 +66,13 @@ class Server:
 
     def __init__(self, checkout: Path):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(checkout), str(HERE)]))
-        self.proc = subprocess.Popen([sys.executable, "-c", f"PREFIX = {PREFIX!r}\n" + SERVER], env=env,
+        # -P: "python -c" would put the working directory first on sys.path, and run from a checkout's
+        # root, both servers would import that checkout's paramfsm instead of their own.
+        self.proc = subprocess.Popen([sys.executable, "-P", "-c", f"PREFIX = {PREFIX!r}\n" + SERVER], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.imported = self._answer()  # the paramfsm/__init__.py this server imported
+        if not Path(self.imported).resolve().is_relative_to(checkout):
+            raise RuntimeError(f"the server for {checkout} imported paramfsm from {self.imported}")
         self._answer()
 
     def _answer(self):
