@@ -63,6 +63,13 @@ def _in_step_again(rank, world, rt, model, initial) -> dict:
     and a new runtime's gradients equal plain torch's."""
     rt.reset()
     closed = {n: p.detach().clone() for n, p in rt.close().named_parameters()}
+    return {"closed_untouched": all(torch.equal(closed[n], initial[n]) for n in initial),
+            "all_reduce": _group_and_new_runtime_work(rank, world)}
+
+
+def _group_and_new_runtime_work(rank, world, clip: float | None = None) -> float:
+    """A plain all-reduce (returns its sum), then a new runtime's gradients (clipped to ``clip`` by
+    ``rt.clip_grad_norm_``, with the same norm) equal plain torch's."""
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
     torch.manual_seed(1)
@@ -72,11 +79,14 @@ def _in_step_again(rank, world, rt, model, initial) -> dict:
     x, = global_batch(world, 2, (4,), seed=3)
     fresh(rank_slice(x, rank, world)).pow(2).mean().backward()
     ref.model(x).pow(2).mean().backward()
+    if clip is not None:
+        norm = rt2.clip_grad_norm_(clip)
+        want = torch.nn.utils.clip_grad_norm_(ref.model.parameters(), clip)
+        assert want > clip and torch.allclose(norm, want), (norm, want)  # it clipped, with the same norm
     grads = {n: rt2.full_grad(n) for n, _ in fresh.named_parameters()}
     rt2.close()
     assert_close_dicts(grads, ref.grads(), what="a new runtime after the desync")
-    return {"closed_untouched": all(torch.equal(closed[n], initial[n]) for n in initial),
-            "all_reduce": total.item()}
+    return total.item()
 
 
 def _caught(exc: RankDesync) -> dict:
@@ -266,22 +276,7 @@ def skipped_step_clip_job(rank, world):
     except paramfsm.ParamFSMError as exc:
         caught = {"type": type(exc).__name__, "message": str(exc)}
     rt.reset()
-    total = torch.tensor([float(rank + 1)])
-    dist.all_reduce(total)
-    torch.manual_seed(1)
-    fresh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
-    ref = Reference(fresh)
-    rt2 = paramfsm.shard(fresh, collective_timeout=30)
-    x, = global_batch(world, 2, (4,), seed=3)
-    fresh(rank_slice(x, rank, world)).pow(2).mean().backward()
-    ref.model(x).pow(2).mean().backward()
-    norm = rt2.clip_grad_norm_(0.1)
-    want = torch.nn.utils.clip_grad_norm_(ref.model.parameters(), 0.1)
-    assert want > 0.1 and torch.allclose(norm, want), (norm, want)  # it clipped, with the same norm
-    grads = {n: rt2.full_grad(n) for n, _ in fresh.named_parameters()}
-    rt2.close()
-    assert_close_dicts(grads, ref.grads(), what="a new runtime's clipped gradients after the desync")
-    return caught, total.item()
+    return caught, _group_and_new_runtime_work(rank, world, clip=0.1)
 
 
 def test_a_rank_that_skips_a_step_but_clips_raises_rank_desync_on_every_rank(ranks2):

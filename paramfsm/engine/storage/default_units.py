@@ -125,11 +125,6 @@ def choose(named: list[tuple[str, nn.Module]], min_bytes: int = MIN_UNIT_BYTES
     return reasons, {name: names for name, names in merged.items() if names}
 
 
-def default_unit_names(named: list[tuple[str, nn.Module]], min_bytes: int = MIN_UNIT_BYTES) -> set[str]:
-    """Qualified names of the default units among ``named`` (``model.named_modules()``), the root included."""
-    return set(choose(named, min_bytes)[0])
-
-
 def _order(named: list[tuple[str, nn.Module]]):
     """A sort key that puts qualified names in module order."""
     position = {name: i for i, (name, _) in enumerate(named)}
