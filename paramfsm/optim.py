@@ -72,17 +72,50 @@ def install(records=(), scheduler=None) -> None:
         _hook_handle = register_optimizer_step_pre_hook(_before_step)
 
 
-def _before_step(optimizer, args, kwargs) -> None:
+def _before_step(optimizer, args, kwargs):
     if offload_step.inner():  # one unit's step inside an offloaded step (paramfsm.offload_step)
-        return
+        return None
     offload_step.restore_if_left(optimizer)
-    if UNSYNCED:  # gradients kept under rt.no_sync are never stepped (paramfsm.accumulation)
-        refuse_step(optimizer)
     writers = _map(optimizer)
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
     if writers is not None:
         _refuse_local_scaler(optimizer)
+    if closure is None or writers is None or offload_step.offloading(writers):
+        _check_and_announce(optimizer, writers)
+        if writers is not None:
+            _step_offloaded(optimizer, writers, args, kwargs)
+        return None
+    checked = _after_closure(optimizer, writers, closure)
+    if len(args) > 1:
+        return (args[0], checked, *args[2:]), kwargs
+    return args, {**kwargs, "closure": checked}
+
+
+def _check_and_announce(optimizer, writers) -> None:
+    if UNSYNCED:  # gradients kept under rt.no_sync are never stepped (paramfsm.accumulation)
+        refuse_step(optimizer)
+    if writers is not None:
         _announce_writes(optimizer, writers)
-        _step_offloaded(optimizer, writers, args, kwargs)
+
+
+def _after_closure(optimizer, writers, closure):
+    """``closure``, followed by the step's checks and its write announcement.
+
+    [Note: a closure's gradients come after the pre-hook]
+    ``opt.step(closure)`` (Lightning's every step, LBFGS) runs the forward and
+    backward inside the step, after this pre-hook. Checked here, the gradients
+    would be the previous iteration's: the last micro-batch's backward, which
+    syncs what ``no_sync`` kept, has not run yet (so the step would be refused
+    wrongly), and the shards that get a gradient (the ones the step writes) are
+    not known. So the checks and the announcement run each time the closure
+    returns, right before the update that follows it (LBFGS calls it again
+    between updates).
+    """
+    def checked():
+        loss = closure()
+        _check_and_announce(optimizer, writers)
+        return loss
+    return checked
 
 
 def _map(optimizer):
