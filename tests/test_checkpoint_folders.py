@@ -159,3 +159,42 @@ def test_the_two_rename_swap_replaces_a_checkpoint(rt, tmp_path, monkeypatch):
     ck.load(rt, tmp_path / "ck")
     got = rt.full_state_dict()
     assert all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_extra_files_are_saved_inside_the_checkpoint_and_replaced_with_it(rt, tmp_path):
+    ck.save(rt, tmp_path / "ck", extra_files={"meta.pt": b"first", "notes.txt": b"a"})
+    assert (tmp_path / "ck" / "meta.pt").read_bytes() == b"first"
+    assert (tmp_path / "ck" / "notes.txt").read_bytes() == b"a"
+    ck.load(rt, tmp_path / "ck")  # the extra files do not disturb a load
+    ck.save(rt, tmp_path / "ck", extra_files={"meta.pt": b"second"})
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert (tmp_path / "ck" / "meta.pt").read_bytes() == b"second"
+    assert not (tmp_path / "ck" / "notes.txt").exists(), "the folder is the new save's, whole"
+
+
+def test_a_failed_save_keeps_the_previous_extra_files(rt, tmp_path):
+    ck.save(rt, tmp_path / "ck", extra_files={"meta.pt": b"first"})
+
+    def fail(point):
+        if point == "manifest_written":
+            raise OSError(28, "No space left on device")
+
+    folders.fault_hook = fail
+    try:
+        with pytest.raises(ParamFSMError, match="was not replaced"):
+            ck.save(rt, tmp_path / "ck", extra_files={"meta.pt": b"second"})
+    finally:
+        folders.fault_hook = None
+    assert (tmp_path / "ck" / "meta.pt").read_bytes() == b"first"
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+@pytest.mark.parametrize("files, error", [
+    ({".metadata": b"x"}, ArgumentError), ({"paramfsm.json": b"x"}, ArgumentError),
+    ({"__0_0.distcp": b"x"}, ArgumentError), ({"a/b": b"x"}, ArgumentError), ({".hidden": b"x"}, ArgumentError),
+    ({"": b"x"}, ArgumentError), ({"meta.pt": "text"}, TypeError), ([("meta.pt", b"x")], TypeError),
+])
+def test_extra_files_are_checked_before_anything_is_written(rt, tmp_path, files, error):
+    with pytest.raises(error, match="extra_files"):
+        ck.save(rt, tmp_path / "ck", extra_files=files)
+    assert not os.listdir(tmp_path)

@@ -33,7 +33,7 @@ import time
 import uuid
 from pathlib import Path
 
-from paramfsm.errors import ParamFSMError
+from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,36 @@ def read_manifest(path: Path) -> dict | None:
     except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
         return None
     return data if isinstance(data, dict) and data.get("format") == FORMAT else None
+
+
+def check_extra_files(files) -> dict[str, bytes]:
+    """``save(extra_files=...)`` checked before anything is written: plain file names and bytes, none of
+    them a name DCP or paramfsm writes."""
+    if files is None:
+        return {}
+    if not isinstance(files, dict):
+        raise ArgumentTypeError(f"paramfsm.checkpoint.save(extra_files={type(files).__name__}): expected a dict "
+                                "of file name -> bytes")
+    for name, data in files.items():
+        reserved = name in (MANIFEST, METADATA) or (isinstance(name, str) and name.endswith(".distcp"))
+        if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or reserved:
+            raise ArgumentError(f"paramfsm.checkpoint.save(extra_files=...): {name!r} is not a file name the "
+                                f"checkpoint can hold (a plain name, not hidden, not {MANIFEST}, {METADATA} or "
+                                "a DCP data file)")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ArgumentTypeError(f"paramfsm.checkpoint.save(extra_files=...): the value of {name!r} is a "
+                                    f"{type(data).__name__}; expected bytes")
+    return dict(files)
+
+
+def write_extra_files(folder: Path, files: dict[str, bytes]) -> None:
+    """Rank 0 writes ``save(extra_files=...)`` into the staging folder, before the manifest."""
+    for name, data in files.items():
+        target = folder / name
+        with open(target, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
 
 
 def write_manifest(folder: Path, shapes: dict[str, list[int]], world: int, optimizer: bool) -> None:

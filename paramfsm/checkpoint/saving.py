@@ -96,7 +96,8 @@ def _check_keep_last(keep_last) -> None:
                             "(the newest checkpoints to keep in the parent folder), or None to keep them all")
 
 
-def save(rt, path, optimizer=None, *, keep_last: int | None = None, async_save: bool = False):
+def save(rt, path, optimizer=None, *, keep_last: int | None = None, async_save: bool = False,
+         extra_files: dict[str, bytes] | None = None):
     """Save the model's shards (and the optimizer's, if given) to the checkpoint folder ``path``. Collective.
 
     Atomic: the files are written beside ``path`` and replace it only once
@@ -109,8 +110,13 @@ def save(rt, path, optimizer=None, *, keep_last: int | None = None, async_save: 
     the background (see [Note: what an asynchronous save runs where]). A save
     first waits for the runtime's previous asynchronous save. A failure raises
     ParamFSMError on every rank, naming the path; ``path`` is then unchanged.
+    ``extra_files`` (``{file name: bytes}``, rank 0's are used) are written into
+    the checkpoint folder with the shards, inside the same atomic swap: a
+    framework's own state (Lightning's loops and callbacks) is never newer or
+    older than the shards beside it.
     """
     _check_keep_last(keep_last)
+    extra = folders.check_extra_files(extra_files)
     background.settle(rt, "save")
     ck._require_idle(rt, "save a sharded checkpoint")
     path = Path(os.path.abspath(path))
@@ -122,12 +128,12 @@ def save(rt, path, optimizer=None, *, keep_last: int | None = None, async_save: 
     token = _prepare(group, path)
     folders.reach("prepared")
     if not async_save:
-        _write(state, path, token, group, shapes, optimizer is not None, keep_last)
+        _write(state, path, token, group, shapes, optimizer is not None, keep_last, extra)
         return None
     staged, nbytes = background.stage(state)
     del state
     writes_on = background.background_group(rt, group)
-    write = partial(_write, staged, path, token, writes_on, shapes, optimizer is not None, keep_last)
+    write = partial(_write, staged, path, token, writes_on, shapes, optimizer is not None, keep_last, extra)
     del staged  # the thread's reference is the only one: released when the write ends
     handle = background.SaveHandle(path, nbytes, write)
     background.start(rt, handle)
@@ -154,7 +160,7 @@ def _prepare(group, path: Path) -> str:
     return token
 
 
-def _write(state, path: Path, token: str, group, shapes, with_optimizer: bool, keep_last) -> None:
+def _write(state, path: Path, token: str, group, shapes, with_optimizer: bool, keep_last, extra=None) -> None:
     """Write ``state`` into the staging folder, then rank 0 commits it to ``path`` (and prunes). Collective."""
     from torch.distributed.checkpoint import save as dcp_save
 
@@ -169,6 +175,7 @@ def _write(state, path: Path, token: str, group, shapes, with_optimizer: bool, k
     is_first = dist.get_rank(group) == 0
     if is_first and error is None:
         try:
+            folders.write_extra_files(folder, extra or {})
             folders.write_manifest(folder, shapes, dist.get_world_size(group), with_optimizer)
             folders.reach("manifest_written")
             folders.commit(path, token)
