@@ -147,11 +147,13 @@ class _PostBackward(torch.autograd.Function):
 class _Chain:
     """The last unit output seen in forward (see [Note: a chain of units shares one hook])."""
 
-    __slots__ = ("node", "call", "open", "reached", "handles")
+    __slots__ = ("node", "call", "open", "task", "nested", "reached", "handles")
 
     def __init__(self):
         self.node = self.call = None
         self.open = False  # a root forward is running: only then are units chained
+        self.task = gt.NO_TASK  # the graph task it runs in
+        self.nested = 0  # calls of the root inside it: [Note: the root called inside its own forward]
         # Parent units whose parameters' AccumulateGrad is not hooked yet, and where the handles go:
         # see [Note: a backward that enters a unit from inside].
         self.reached: dict = {}
@@ -301,8 +303,22 @@ def _on_grad_accumulated(emit, record, param):
 
 
 def _root_forward_begin(emit, chain, module, args) -> None:
-    chain.open = True
-    emit(Event(FORWARD_BEGIN, None, gt.current_task()))
+    """``FORWARD_BEGIN``, unless the root is called inside its own forward.
+
+    [Note: the root called inside its own forward]
+    A forward that calls its own module again (Lightning runs ``training_step``
+    as the root's forward, and the step calls ``self(x)``; a recursive model)
+    is still the one root forward: a second ``FORWARD_BEGIN`` would read as a
+    forward that never ended and reset every gathered parameter. The nested
+    call emits neither ``FORWARD_BEGIN`` nor its end; the root *unit*'s own
+    pre- and post-forward hooks still run for it, like any unit called twice.
+    """
+    task = gt.current_task()
+    if chain.open and chain.task == task:
+        chain.nested += 1
+        return
+    chain.open, chain.task, chain.nested = True, task, 0
+    emit(Event(FORWARD_BEGIN, None, task))
 
 
 def _root_forward_end(emit, chain, module, args, output) -> None:
@@ -312,6 +328,9 @@ def _root_forward_end(emit, chain, module, args, output) -> None:
     block of a forward that raised (with no output), so the exception being
     handled is how the failure is told apart.
     """
+    if chain.nested:  # [Note: the root called inside its own forward]
+        chain.nested -= 1
+        return
     chain.node = chain.call = None
     chain.open = False
     failed = output is None and sys.exc_info()[1] is not None
