@@ -10,9 +10,9 @@ leaves out (the spec, the CUDA sources) goes unnoticed there. This check:
 3. reads the wheel: every module of ``paramfsm/``, the shipped specs byte for byte under
    ``paramfsm/specs/``, the CUDA kernel sources, the license, its metadata (the version is
    ``paramfsm.__version__``) and entry point, and nothing else (no tests, benchmarks or examples);
-4. installs the wheel with its ``hf`` and ``verify`` extras and ``torch==2.13.0`` into a new virtual
-   environment that sees nothing of the checkout or of ``.venv``, and from a temporary folder runs
-   ``.ci/wheel_smoke.py`` (imports, data files, a one-rank training loop against plain torch),
+4. installs the wheel with its ``hf``, ``verify``, ``accelerate``, ``peft`` and ``lightning`` extras and
+   ``torch==2.13.0`` into a new virtual environment that sees nothing of the checkout or of ``.venv``, and
+   from a temporary folder runs ``.ci/wheel_smoke.py`` (imports, data files, a one-rank training loop against plain torch),
    ``paramfsm --help``, ``paramfsm spec check`` and ``paramfsm verify`` on the demo model.
 
 Usage: ``python .ci/check_wheel.py`` with a Python that has ``build`` (``make check-wheel`` uses .venv).
@@ -37,7 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TORCH = "torch==2.13.0"  # the CPU wheel CI tests; an unpinned torch would pull a multi-GB CUDA build
-EXTRAS = "hf,verify"
+EXTRAS = "hf,verify,accelerate,peft,lightning"
 VERIFY = ["verify", "paramfsm.testing.subjects:tiny_transformer", "--examples", "3", "--no-shrink"]
 KERNEL_SOURCES = ("*.cu", "*.cuh")
 
@@ -136,7 +136,7 @@ def check_wheel(wheel: Path, files: list[str]) -> str:
     for field in ("Summary", "License-Expression", "Requires-Python"):
         expect(bool(metadata[field]), f"the metadata has no {field}")
     extras = set(metadata.get_all("Provides-Extra") or ())
-    expect({"hf", "verify", "cuda", "test"} <= extras, f"the metadata's extras are {sorted(extras)}")
+    expect({"hf", "verify", "cuda", "test", "accelerate", "peft", "lightning"} <= extras, f"the metadata's extras are {sorted(extras)}")
     expect("paramfsm = paramfsm.cli:main" in entry_points, "no paramfsm console script")
     specs = sorted(name for name in expected if name.startswith("paramfsm/specs/"))
     return f"{wheel.name}: {len(expected)} files ({', '.join(specs)}), version {version()}"

@@ -41,7 +41,8 @@ def check_installation(checkout: Path) -> None:
 
 
 def check_extras() -> None:
-    """The hf and verify extras bring what paramfsm.integrations.hf and ``paramfsm verify`` import.
+    """The extras bring what the integrations and ``paramfsm verify`` import (hf, verify, accelerate, peft,
+    lightning).
 
     ``paramfsm verify`` itself runs as a command afterwards (see check_wheel.py).
     """
@@ -49,9 +50,12 @@ def check_extras() -> None:
     import hypothesis  # noqa: F401
     import safetensors.torch  # noqa: F401
 
-    from paramfsm.integrations import hf
+    from paramfsm.integrations import accelerate as with_accelerate
+    from paramfsm.integrations import hf, lightning, peft
 
-    assert callable(hf.load_pretrained)
+    assert callable(hf.load_pretrained) and callable(peft.save_adapter)
+    assert issubclass(with_accelerate.Accelerator, accelerate.Accelerator)
+    assert lightning.ParamFSMStrategy.strategy_name == "paramfsm"
 
 
 def check_training(store: Path) -> None:
