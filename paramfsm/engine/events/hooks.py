@@ -83,22 +83,6 @@ whatever the caller did to the view afterwards; a unit that consumes the view
 after the in-place op finds a new node, not the chain's, and hooks its input
 tensor instead.
 
-[Note: a backward that enters a unit from inside]
-A unit's pre-backward rides on its outputs' nodes, so a backward that
-reaches the unit's computation without passing through them would find its
-parameters empty. That happens when a unit calls other units and an
-activation from inside its forward is used again later: the input of
-``model.blocks[0]`` saved during a root forward that added the root's own
-``pos`` to it, then ``model.blocks[0](saved)`` and a backward, which reaches
-``pos`` through the saved input alone. So the parameters of a unit that calls
-other units have a pre-hook on their ``AccumulateGrad`` node, which runs
-before the gradient is accumulated and emits ``PARAM_REACHED``; the scheduler
-fetches the unit for that graph task only when it is not gathered already,
-which is the ordinary case, and releases it at the task's end. Only those
-units pay for the hook (one Python call per parameter per backward), since
-the activations inside a unit that calls no other unit are out of reach of
-the module hooks a user would capture them with.
-
 [Note: higher-order hooks come when they are needed]
 A parameter's gradient needs routing only in a backward that records its
 graph (``create_graph=True``: grad mode is on inside it). The unit's
@@ -115,14 +99,13 @@ import sys
 from functools import partial
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from paramfsm.engine.events import graph_task as gt
-from paramfsm.engine.events import higher_order, outputs
+from paramfsm.engine.events import higher_order, outputs, reached
 from paramfsm.engine.events.compile_guard import eager
 from paramfsm.engine.events.events import (
-    FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, PARAM_REACHED, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD,
+    FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD,
     PRE_FORWARD, Event, ForwardCall,
 )
 from paramfsm.errors import UnsupportedOutput
@@ -155,7 +138,7 @@ class _Chain:
         self.task = gt.NO_TASK  # the graph task it runs in
         self.nested = 0  # calls of the root inside it: [Note: the root called inside its own forward]
         # Parent units whose parameters' AccumulateGrad is not hooked yet, and where the handles go:
-        # see [Note: a backward that enters a unit from inside].
+        # see [Note: a backward that enters a unit from inside] in paramfsm.engine.events.reached.
         self.reached: dict = {}
         self.handles: list = []
 
@@ -266,7 +249,7 @@ def _post_forward(emit, unit, chain, module, args, output):
     """``POST_FORWARD``, after hooking the output's nodes; an output the hooks cannot look into is refused
     once the unit is released (``UnsupportedOutput``)."""
     if chain.reached and unit in chain.reached and torch.is_grad_enabled():
-        _watch_reached(emit, unit, chain)
+        reached.watch(emit, unit, chain)
     call = refused = None
     task = gt.current_task()
     if torch.is_grad_enabled():
@@ -351,46 +334,8 @@ def install(root: torch.nn.Module, units, records, emit) -> list:
     for rec in records:
         if rec.requires_grad:
             watch_grads(rec, emit)
-    chain.reached, chain.handles = _parents(units), handles
+    chain.reached, chain.handles = reached.parents(units), handles
     return handles
-
-
-class _NodeHook:
-    """A pre-hook on a parameter's ``AccumulateGrad`` node, which it keeps alive (autograd holds it weakly)."""
-
-    __slots__ = ("node", "handle")
-
-    def __init__(self, node, hook):
-        self.node, self.handle = node, node.register_prehook(hook)
-
-    def remove(self) -> None:
-        self.handle.remove()
-
-
-def _parents(units) -> dict:
-    """The units that call other units, each with its parameters that require grad (see [Note: a backward
-    that enters a unit from inside])."""
-    modules = {id(unit.module) for unit in units}
-    out, seen = {}, set()
-    for unit in units:
-        if any(id(m) in modules for m in unit.module.modules() if m is not unit.module):
-            records = [rec for rec in unit.records if rec.requires_grad and id(rec) not in seen]
-            seen.update(id(rec) for rec in records)
-            if records:
-                out[unit] = records
-    return out
-
-
-def _watch_reached(emit, unit, chain) -> None:
-    """Hook the ``AccumulateGrad`` of the parent unit's parameters, once, while they are gathered: the node
-    records the parameter's shape when it is made, so it must be made from the full parameter."""
-    for rec in chain.reached.pop(unit):
-        node = get_gradient_edge(rec.param).node
-        chain.handles.append(_NodeHook(node, partial(_on_param_reached, emit, unit, rec)))
-
-
-def _on_param_reached(emit, unit, record, grad_outputs):
-    emit(Event(PARAM_REACHED, unit, gt.backward_task(), gt.keeps_graph(), record))
 
 
 def watch_grads(rec, emit) -> None:
