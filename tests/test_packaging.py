@@ -63,16 +63,34 @@ def test_every_third_party_import_is_a_declared_requirement():
     assert undeclared == {}
 
 
-def test_the_extras_bring_what_their_features_import():
-    extras = {name: _names(reqs) for name, reqs in PROJECT["project"]["optional-dependencies"].items()}
-    imports = _third_party_imports()
+def _extra(name: str) -> set[str]:
+    """The distributions an extra brings, its ``paramfsm[...]`` references followed."""
+    requirements = PROJECT["project"]["optional-dependencies"][name]
+    brought = _names(requirements)
+    for req in requirements:
+        if req.startswith("paramfsm["):
+            for inner in req[len("paramfsm["):-1].split(","):
+                brought |= _extra(inner.strip())
+    return brought
+
+
+def test_each_integration_is_brought_by_the_extra_of_its_name():
+    """``paramfsm/integrations/<name>.py`` imports only what ``paramfsm[<name>]`` installs (helpers: ``hf``)."""
+    extras = PROJECT["project"]["optional-dependencies"]
     core = _names(PROJECT["project"]["dependencies"])
-    hf = {DISTRIBUTIONS.get(module, module) for module, files in imports.items()
-          if any(f.startswith("paramfsm/integrations/") for f in files)} - core
-    assert "transformers" in hf
-    assert hf | {"accelerate"} <= extras["hf"]  # ShardedTrainer: transformers.Trainer needs accelerate
-    assert "hypothesis" in extras["verify"] and "cupy-cuda13x" in extras["cuda"]
-    assert "paramfsm[hf,verify]" in PROJECT["project"]["optional-dependencies"]["test"]  # the suite runs both
+    needs: dict[str, set[str]] = {}
+    for module, files in _third_party_imports().items():
+        for f in files:
+            if f.startswith("paramfsm/integrations/") and not f.endswith("__init__.py"):
+                stem = Path(f).stem
+                needs.setdefault(stem if stem in extras else "hf", set()).add(DISTRIBUTIONS.get(module, module))
+    assert {"hf", "accelerate", "lightning"} <= needs.keys()
+    missing = {extra: wanted - core - _extra(extra) for extra, wanted in needs.items()}
+    assert all(not gap for gap in missing.values()), missing
+    assert "accelerate" in _extra("hf")  # ShardedTrainer: transformers.Trainer needs accelerate
+    assert "hypothesis" in _extra("verify") and "cupy-cuda13x" in _extra("cuda")
+    brought_by_test = _extra("test")
+    assert all(_extra(name) <= brought_by_test for name in extras if name != "cuda")  # the suite runs them all
 
 
 def test_the_version_has_one_source():
