@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from paramfsm import amp, full_state, gathered, grad_norm
+from paramfsm import amp, full_state, gathered, grad_norm, optim
 from paramfsm.checkpoint import layout as checkpoint_layout
 from paramfsm.core import replay
 from paramfsm.core.trace import Trace
@@ -54,7 +54,7 @@ def _patchable():
             executor.reduce_scatter_flat, dict(vars(amp.GradScaler)), grad_norm.clip_grad_norm_,
             checkpoint_layout.valid_range, vars(SecondOrderEntry)["backward"], full_state.load_full_state_dict,
             replay.replay, Trace._snapshot, dict(vars(UnsyncedGrads)), dict(vars(ShardWrites)),
-            gathered._write_back, _methods(Residency), _methods(Pager))
+            gathered._write_back, _methods(Residency), _methods(Pager), optim._after_closure)
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))

@@ -28,8 +28,8 @@ from paramfsm.verify.subject import global_batch, load_subject, split
 SUBJECTS = "paramfsm.testing.subjects:"
 GAN = SUBJECTS + "gan_pair"
 ONE_UNIT = SUBJECTS + "mlp_one_unit"
-#: The canonical program of RankLoss (the last of CANONICAL).
-RANK_LOSS = len(CANONICAL) - 1
+#: The canonical program of RankLoss.
+RANK_LOSS = next(i for i, (_, intents) in enumerate(CANONICAL) if any(kind == "rank_loss" for kind, *_ in intents))
 
 
 def _rank_loss_program(name: str):

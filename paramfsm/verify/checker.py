@@ -39,8 +39,8 @@ from paramfsm.core.spec import State
 from paramfsm.verify import checks, loop_helpers, rank_loss, sync_checks, user_loops
 from paramfsm.verify.mirror import Mirror, loss_of, penalised  # noqa: F401 - re-exported for the runner
 from paramfsm.verify.ops import (
-    Backward, Checkpoint, Clip, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite, GradSync,
-    Loss, NoSync, PartStep, Penalty, RankLoss, Save, Step, SubForward, SyncGradients, ZeroGrad,
+    Backward, Checkpoint, Clip, ClosureStep, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered,
+    GatheredWrite, GradSync, Loss, NoSync, PartStep, Penalty, RankLoss, Save, Step, SubForward, SyncGradients, ZeroGrad,
 )
 from paramfsm.verify.subject import describe, global_batch, split
 from paramfsm.verify.verdicts import Failed, Rejected, agree  # noqa: F401 - re-exported for the runner
@@ -182,6 +182,9 @@ class Checker:
         return {self.names[id(p)] for p in params}
 
     def _track(self, op) -> None:
+        if isinstance(op, ClosureStep):  # its inner ops, then the step
+            for inner in (*op.inner, Step()):
+                self._track(inner)
         if isinstance(op, (Forward, Evaluate)):
             self.unfresh.clear()
         if isinstance(op, (Forward, SubForward)) and op.out >= 0:

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from paramfsm.verify.ops import (
-    Backward, Drop, Evaluate, Forward, GatheredWrite, Loss, PartStep, Penalty, Program, RankLoss, Restore, Save, Step,
-    SubForward,
+    Backward, ClosureStep, Drop, Evaluate, Forward, GatheredWrite, Loss, PartStep, Penalty, Program, RankLoss,
+    Restore, Save, Step, SubForward, ZeroGrad,
 )
 
 
@@ -59,6 +59,9 @@ def patterns(program: Program) -> set[str]:
             found.add(f"{type(op).__name__}({'full state dict' if op.full else 'DCP'})")
         if isinstance(op, Restore) and retained:
             found.add("Restore while a retained graph is alive")
+        if isinstance(op, ClosureStep):
+            zeroes = isinstance(op.inner[0], ZeroGrad)
+            found.add("ClosureStep " + ("that zeroes the gradients" if zeroes else "after micro-batches under no_sync"))
         if isinstance(op, RankLoss):
             found.add("RankLoss over outputs of " + ("different" if len({made[o] for o in op.outs}) > 1 else "the same")
                       + " modules")

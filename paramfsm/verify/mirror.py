@@ -35,7 +35,8 @@ reduce-scatter produces. What each op means in plain torch:
   ``RankLoss`` builds each rank slice's loss from the output that rank
   chooses, so a backward differentiates each slice's own output (under
   ``param_dtype``, the gradients of every copy the chosen outputs ran on are
-  folded in).
+  folded in); ``ClosureStep`` is ``opt.step(closure)`` whose closure runs
+  the inner ops here.
 
 :attr:`Mirror.expected` is what paramfsm's value of the last op must equal
 (a loss, a unit's output, an eval segment's outputs), one entry per rank slice.
@@ -50,7 +51,7 @@ from torch.utils._pytree import tree_map
 
 from paramfsm.verify import user_loops
 from paramfsm.verify.ops import (
-    PENALTY_WEIGHT, TREE_VARIANTS, Backward, Clip, Config, Drop, Evaluate, Forward, FullState, Gathered,
+    PENALTY_WEIGHT, TREE_VARIANTS, Backward, Clip, ClosureStep, Config, Drop, Evaluate, Forward, FullState, Gathered,
     GatheredWrite, Loss, Overflow, PartStep, PartZeroGrad, Penalty, RankLoss, RequiresGrad, Restore, Save, Step,
     SubForward, Unscale, ZeroGrad,
 )
@@ -252,6 +253,11 @@ class Mirror:
             self.opts[op.part].step()
         elif isinstance(op, PartZeroGrad):
             self.opts[op.part].zero_grad()
+        elif isinstance(op, ClosureStep):
+            def closure():
+                for inner in op.inner:
+                    self.apply(inner, slices)
+            self.opts[0].step(closure)
         elif isinstance(op, GatheredWrite):
             with torch.no_grad():
                 user_loops.write(self.model.get_parameter(op.param), op.variant)

@@ -288,12 +288,27 @@ class RankLoss:
     variant: int
 
 
+@attrs.frozen(slots=True)
+class ClosureStep:
+    """``opt.step(closure)`` with the one optimizer, unscaled: the closure runs ``inner`` (an optional
+    ``zero_grad``, a forward, its loss and the backward) and returns the loss, as Lightning's steps and
+    LBFGS do. The step's checks must see the gradients the closure made, not the ones before it."""
+
+    inner: tuple
+    loss: int
+
+    @property
+    def batches(self) -> tuple[int, ...]:
+        """The batches the closure's forwards read."""
+        return tuple(op.batch for op in self.inner if isinstance(op, Forward))
+
+
 #: The ops of user training loops beyond driving the root module (see :mod:`paramfsm.verify.user_loop_intents`).
 USER_LOOP_OPS = (SubForward, PartStep, PartZeroGrad, GatheredWrite, Evaluate, Save, Restore, RankLoss)
 
 Op = (Forward | Loss | Backward | Penalty | Drop | ZeroGrad | Step | Flush | Gathered | Unscale | Overflow | Clip
       | FullState | Checkpoint | RequiresGrad | NoSync | GradSync | SyncGradients | SubForward | PartStep
-      | PartZeroGrad | GatheredWrite | Evaluate | Save | Restore | RankLoss)
+      | PartZeroGrad | GatheredWrite | Evaluate | Save | Restore | RankLoss | ClosureStep)
 
 
 @attrs.frozen(slots=True)

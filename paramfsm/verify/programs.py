@@ -35,9 +35,9 @@ from hypothesis import strategies as st
 from paramfsm.verify.accumulation_intents import ACCUMULATION_KINDS, AccumulationIntents
 from paramfsm.verify.ops import (  # noqa: F401 - the vocabulary, re-exported for existing imports
     AUTO_MODES, BATCHES, CLIP_NORM_TYPES, CLIP_NORMS, GRAD_MODES, LOSS_VARIANTS, MODES, PENALTY_WEIGHT, Backward,
-    Checkpoint, Clip, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite, GradSync, Loss,
-    NoSync, Op, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore, Save, Shape,
-    Step, SubForward, SyncGradients, Unscale, ZeroGrad,
+    Checkpoint, Clip, ClosureStep, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite,
+    GradSync, Loss, NoSync, Op, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore,
+    Save, Shape, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.user_loop_intents import USER_LOOP_KINDS, UserLoopIntents
 
@@ -335,6 +335,11 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
     (Config(), (("forward", 0, 0, False), ("forward", 0, 1, False), ("rank_loss", 0, 0, False),
                 ("step", 0, 0, False), ("forward", 0, 2, False), ("rank_loss", 1, 0, False), ("step", 0, 0, False),
                 ("rank_loss", 2, 1, True))),
+    # opt.step(closure), as every Lightning step is: two micro-batches under rt.no_sync(), the closure's
+    # backward the last micro-batch (it synchronises them); a retained backward, then a closure that zeroes
+    # the gradients and runs a checkpointed forward and its backward through rt.backward; an iteration.
+    (Config(), (("closure_step", 1, 1, False), ("forward", 0, 0, False), ("backward", 0, 0, True),
+                ("closure_step", 2, 0, True), ("iteration", 0, 3, False))),
 )
 
 

@@ -32,9 +32,9 @@ import traceback
 import attrs
 
 from paramfsm.verify.ops import (
-    PENALTY_WEIGHT, TREE_VARIANTS, Backward, Checkpoint, Clip, Drop, Evaluate, Flush, Forward, FullState, Gathered,
-    GatheredWrite, GradSync, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad,
-    Restore, Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
+    PENALTY_WEIGHT, TREE_VARIANTS, Backward, Checkpoint, Clip, ClosureStep, Drop, Evaluate, Flush, Forward,
+    FullState, Gathered, GatheredWrite, GradSync, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program,
+    RankLoss, RequiresGrad, Restore, Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.loop_helpers import SCALER
 from paramfsm.verify.user_loops import WRITES
@@ -60,7 +60,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
                    | {"in_place_on_view" for op in program.ops if isinstance(op, SubForward) and op.view}
                    | {"tree_loss" for op in program.ops if isinstance(op, Loss) and op.variant in TREE_VARIANTS
                       or isinstance(op, RankLoss)})
-    used = sorted({type(op).__name__ for op in program.ops} | {"Config"})
+    inner = [i for op in program.ops if isinstance(op, ClosureStep) for i in op.inner]
+    used = sorted({type(op).__name__ for op in (*program.ops, *inner)} | {"Config"})
     helpers = sorted({"perturbed" for op in program.ops if isinstance(op, (FullState, Checkpoint))}
                      | {"force_overflow" for op in program.ops if isinstance(op, Overflow)}
                      | {"reentrant_blocks" for op in program.ops if getattr(op, "mode", "") == "reentrant"}
@@ -234,6 +235,13 @@ def _render_op(op, seen: set[int], config, script: _Script) -> list[str]:
         inner = [] if op.batch is None else ["    with torch.no_grad():", f"        model(x{op.batch})"]
         pre = [] if op.batch is None else _batch_line(op.batch, seen)
         return pre + [f"with rt.gathered({target}):"] + inner + [f"    check.inside_gathered({target})"]
+    if isinstance(op, ClosureStep):
+        pre = [line for batch in op.batches for line in _batch_line(batch, seen)]
+        made = [f"out{i.out}" for i in op.inner if isinstance(i, Forward)] + [f"loss{op.loss}"]
+        body = [line for i in op.inner for line in _render_op(i, seen, config, script)]
+        return pre + [f"{' = '.join(made)} = None", "def closure():  # opt.step runs the forward and backward",
+                      f"    nonlocal {', '.join(made)}", *(INDENT + line for line in body), f"    return loss{op.loss}",
+                      "opt.step(closure)"]
     return _render_training_op(op, seen, script)
 
 

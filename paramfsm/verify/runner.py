@@ -68,9 +68,9 @@ from paramfsm.verify.mirror import loss_of, penalised
 from paramfsm.verify import user_loops
 from paramfsm.verify.rank_loss import Desynced
 from paramfsm.verify.ops import (
-    Backward, Checkpoint, Clip, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite, GradSync, Loss,
-    NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore, Save, Step,
-    SubForward, SyncGradients, Unscale, ZeroGrad,
+    Backward, Checkpoint, Clip, ClosureStep, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite,
+    GradSync, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore,
+    Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
@@ -249,6 +249,12 @@ class Run:
             self.opts[op.part].step()
         elif isinstance(op, PartZeroGrad):
             self.opts[op.part].zero_grad()
+        elif isinstance(op, ClosureStep):
+            def closure():
+                for inner in op.inner:
+                    self._apply(inner)
+                return self.losses[op.loss]
+            self.opts[0].step(closure)
         elif isinstance(op, GatheredWrite):
             modules = (model.get_submodule(op.module),) if op.module else ()
             with torch.no_grad(), rt.gathered(*modules):

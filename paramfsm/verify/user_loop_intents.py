@@ -8,8 +8,10 @@ optimizer steps and ``zero_grad`` of one part of the model (a GAN's G or D,
 detached, in-place writes inside ``rt.gathered``, eval segments under
 ``torch.no_grad()`` and ``torch.inference_mode()``, a saved state
 (``rt.full_state_dict()``, or a DCP checkpoint with the optimizer state)
-restored later in the loop, and a loss that reads another output on each
-rank, with its backward (:meth:`UserLoopIntents.rank_loss`).
+restored later in the loop, a loss that reads another output on each
+rank, with its backward (:meth:`UserLoopIntents.rank_loss`), and an
+optimizer step whose closure runs the forward and backward
+(:meth:`UserLoopIntents.closure_step`).
 
 [Note: which graphs an op makes stale]
 Plain torch refuses a backward through a graph whose saved parameters were
@@ -38,13 +40,14 @@ import torch
 
 from paramfsm.verify import user_loops
 from paramfsm.verify.ops import (
-    BATCHES, TREE_VARIANTS, Evaluate, GatheredWrite, PartStep, PartZeroGrad, RankLoss, Restore, Save, SubForward,
+    AUTO_MODES, BATCHES, TREE_VARIANTS, ClosureStep, Evaluate, GatheredWrite, NoSync, PartStep, PartZeroGrad, RankLoss,
+    Restore, Save, SubForward,
 )
 
 #: Intent kinds this mixin handles (see :meth:`UserLoopIntents.user_loop_op`).
 USER_LOOP_KINDS = ("sub_forward", "part", "gan", "gathered_write", "evaluate", "save_restore", "sub_forward",
                    "gathered_write", "gathered_write",  # writes are drawn in fp32 programs only
-                   "rank_loss")
+                   "rank_loss", "closure_step", "closure_step")
 
 
 def learn(subject, inputs, modules: tuple[str, ...]) -> dict:
@@ -193,6 +196,42 @@ class UserLoopIntents:
             self.save_restore(bool(a % 2), flag, a, b)
         elif kind == "rank_loss":
             self.rank_loss(a, b, flag)
+        elif kind == "closure_step":
+            self.closure_step(a, b, flag)
+
+    def closure_step(self, a: int, b: int, via_runtime: bool) -> None:
+        """A :class:`ClosureStep`, drawn with one optimizer, no loss scaling and gradient sync on.
+
+        ``a`` odd: ``1 + b % 2`` micro-batches under ``rt.no_sync()`` first, and the closure's backward is
+        the last micro-batch, which synchronises them (the closure keeps their gradients); ``a`` even: the
+        closure zeroes the gradients first. The forwards run in ``AUTO_MODES[(a // 2) % 3]``.
+        """
+        if self.shape.optimizers != 1 or self.config.scaled or not self.sync_on or self.window:
+            return
+        mode = AUTO_MODES[(a // 2) % len(AUTO_MODES)]
+        accumulate = a % 2 == 1
+        if accumulate:
+            self.zero_grad()
+            self.ops.append(NoSync(True))
+            self.window = True
+            for micro in range(1 + b % 2):
+                out = self.forward((b + micro) % BATCHES, mode)
+                self.backward(out, self.loss(out, a), False, via_runtime)
+                self.drop(out)
+            self.ops.append(NoSync(False))
+            self.window = False
+        mark = len(self.ops)
+        if not accumulate:
+            self.zero_grad()
+        out = self.forward((b + 2) % BATCHES, mode)
+        loss = self.loss(out, a)
+        self.backward(out, loss, False, via_runtime)
+        inner = tuple(self.ops[mark:])
+        del self.ops[mark:]
+        self.ops.append(ClosureStep(inner, loss))
+        self.drop(out)
+        self.unscaled = False
+        self.stepped_parts(range(self.shape.optimizers))
 
     def rank_loss(self, a: int, b: int, detach: bool) -> None:
         """A :class:`RankLoss` over two usable outputs (the ``a``-th and another), then its backward without

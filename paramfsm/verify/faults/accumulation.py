@@ -1,4 +1,4 @@
-"""Catalogued bugs of gradient accumulation (``rt.no_sync``) and ``reshard_after_forward``.
+"""Catalogued bugs of gradient accumulation (``rt.no_sync``), ``opt.step(closure)`` and ``reshard_after_forward``.
 
 Each function returns a context manager that patches one method of the
 scheduler or of the unsynchronised-gradient store for the duration of the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
+from paramfsm import optim
 from paramfsm.engine.effects.grad_sync import UnsyncedGrads
 from paramfsm.engine.events import graph_task
 from paramfsm.engine.schedule.backward import GraphTasks
@@ -61,6 +62,17 @@ def sync_read_at_forward():
         yield
 
 
+def step_checked_before_closure():
+    """``opt.step(closure)`` checks for unsynchronised gradients and announces its shard writes before the
+    closure runs, on the gradients from before its forward and backward."""
+    def make(original):
+        def _after_closure(optimizer, writers, closure):
+            optim._check_and_announce(optimizer, writers)
+            return closure
+        return _after_closure
+    return patched(optim, "_after_closure", make)
+
+
 def kept_unit_resharded_after_forward():
     """A unit ``reshard_after_forward`` keeps is released after its forward anyway (and gathered again in
     its backward)."""
@@ -101,6 +113,13 @@ ACCUMULATION = (
      "baidu-baige/LoongForge PR #163 ('DDP decides whether to all-reduce during the forward; no_sync() "
      "around backward() alone was a no-op')",
      "correctness", sync_read_at_forward),
+    ("step_checked_before_closure",
+     "opt.step(closure) checks the gradients before the closure runs its forward and backward: a last "
+     "micro-batch inside the closure, whose backward synchronises what no_sync kept, is refused as unsynced",
+     "paramfsm #39 (planted: every Lightning step is opt.step(closure)); the closest elsewhere is "
+     "huggingface/peft PR #3382 (a step wrapper acted before AdamW.step ran the closure, whose backward then "
+     "overwrote the gradients it had preconditioned)",
+     "correctness", step_checked_before_closure),
     ("kept_unit_resharded_after_forward",
      "a unit reshard_after_forward keeps is released after its forward anyway and all-gathered again in "
      "its backward",
