@@ -46,10 +46,13 @@ def test_a_closure_on_its_own_zeroes_the_gradients_first():
 
 def test_a_closure_is_drawn_only_where_opt_step_closure_works():
     """Not with one optimizer per part (which would run the closure once each), a loss scaler
-    (``GradScaler.step`` refuses a closure), gradient sync off or a no_sync window open."""
+    (``GradScaler.step`` refuses a closure), offload (an offloaded step runs unit by unit and refuses a
+    closure: ``OffloadError``), gradient sync off or a no_sync window open."""
     intents = [("closure_step", 1, 1, False)]
+    assert normalise(intents, probe(LM)).ops
     assert not normalise(intents, probe(SUBJECTS + "gan_pair")).ops
     assert not normalise(intents, probe(LM), Config(param_dtype="float16")).ops
+    assert not normalise(intents, probe(LM), Config(offload="cpu")).ops
     assert not normalise([("grad_sync", 0, 0, False)] + intents, probe(LM)).ops[1:-1]
     window = normalise([("no_sync", 0, 0, False)], probe(LM)).ops
     assert not any(isinstance(op, ClosureStep) for op in window)

@@ -200,13 +200,15 @@ class UserLoopIntents:
             self.closure_step(a, b, flag)
 
     def closure_step(self, a: int, b: int, via_runtime: bool) -> None:
-        """A :class:`ClosureStep`, drawn with one optimizer, no loss scaling and gradient sync on.
+        """A :class:`ClosureStep`, drawn with one optimizer, no loss scaling, no offload (an offloaded step
+        runs unit by unit and refuses a closure) and gradient sync on.
 
         ``a`` odd: ``1 + b % 2`` micro-batches under ``rt.no_sync()`` first, and the closure's backward is
         the last micro-batch, which synchronises them (the closure keeps their gradients); ``a`` even: the
         closure zeroes the gradients first. The forwards run in ``AUTO_MODES[(a // 2) % 3]``.
         """
-        if self.shape.optimizers != 1 or self.config.scaled or not self.sync_on or self.window:
+        offloaded = self.config.offload is not None or self.shape.offload
+        if self.shape.optimizers != 1 or self.config.scaled or offloaded or not self.sync_on or self.window:
             return
         mode = AUTO_MODES[(a // 2) % len(AUTO_MODES)]
         accumulate = a % 2 == 1
