@@ -233,3 +233,30 @@ def test_under_the_suggested_units_the_reader_owns_the_parameter():
         chosen = select_unit_modules(Reader(), eval(suggest_units(owner, reader)))
         assert owner_unit(param, chosen) == unit, (owner, reader, list(chosen))
         assert "out" in chosen or reader == "out", "other modules owning parameters stay units"
+
+
+def test_after_a_forward_that_raised_a_read_outside_is_not_gathered(one_rank):
+    """The failed forward runs no unit any more: reading a parameter then raises ``NotGathered`` (it was
+    gathered on demand for the root, which the runtime still took as running, and left gathered), and the
+    next forward trains like plain torch."""
+    torch.manual_seed(0)
+    model = Reader()
+    ref = copy.deepcopy(model)
+    rt = paramfsm.shard(model, min_unit_bytes=0)
+
+    def fail(module, args, out):
+        raise RuntimeError("the block's output is refused")
+
+    handle = model.block.register_forward_hook(fail)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="refused"):
+            model(_batch(0))
+        handle.remove()
+        with pytest.raises(NotGathered) as info:
+            F.linear(torch.ones(1, DIM), model.block.proj.weight)
+        assert info.value.param == "block.proj.weight"
+        assert set(rt.states().values()) == {State.NOT_AVAILABLE}
+        grad_err, param_err = _train(model, ref, rt)
+    assert grad_err <= 1e-6 and param_err <= 1e-6, (grad_err, param_err)
+    rt.close()

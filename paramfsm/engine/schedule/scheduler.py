@@ -215,6 +215,7 @@ class Scheduler:
         """A root forward raised. Inside backward that is how non-reentrant checkpointing stops a
         recomputation early (see paramfsm.engine.schedule.backward), not a failure."""
         if ev.graph_task == gt.NO_TASK:
+            self.on_demand.reset()  # no unit runs any more: a read from now on is NotGathered, not gathered
             self.report_failure(None, "forward-exception")
 
     def enter_forward(self, ev: Event) -> None:
