@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import warnings
 
 import pytest
@@ -26,6 +27,9 @@ from paramfsm.engine.storage.units import owner_unit, select_unit_modules
 
 DIM = 8
 OWN = "any(True for _ in module.parameters(recurse=False))"
+#: Mutation testing calls every mutated function through a trampoline, frames that ``stacklevel`` does not
+#: count: where a warning points is checked in plain test runs only.
+PLAIN_RUN = "MUTANT_UNDER_TEST" not in os.environ
 
 
 class Block(nn.Module):
@@ -102,7 +106,8 @@ def test_a_read_is_credited_to_the_innermost_running_unit(one_rank):
         "'block' from now on. Faster and simpler: make them one unit, e.g. paramfsm.shard(model, "
         f"units=lambda name, module: name not in ('block.proj',) and {OWN}) "
         "(written for the default units; adapt it to yours).")
-    assert all(w.filename == __file__ and w.lineno == READ_LINE for w in told), "it points at the reading line"
+    if PLAIN_RUN:
+        assert all(w.filename == __file__ and w.lineno == READ_LINE for w in told), "it points at the reading line"
     assert [u.name for u in rt.record("block.proj.weight").units] == ["block.proj", "block"]
     block = next(u for u in rt.units if u.name == "block")
     assert [r.name for r in block.records] == ["block.gain", "block.proj.weight", "block.proj.bias"]

@@ -9,6 +9,8 @@ what it takes. All of it is pure: any rank and world size can be checked in one 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.utils.deterministic
@@ -20,6 +22,10 @@ from paramfsm.engine.storage.units import (ACCEPTED, ParamRecord, UnitModules, b
                                            check_partitionable, let_go, make_shard, owner_unit,
                                            UnmatchedUnits, select_unit_modules, units_within)
 from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
+
+#: Mutation testing calls every mutated function through a trampoline, frames that ``stacklevel`` does not
+#: count: where a warning points is checked in plain test runs only.
+PLAIN_RUN = "MUTANT_UNDER_TEST" not in os.environ
 
 
 @pytest.fixture
@@ -265,7 +271,7 @@ def test_one_entry_matching_nothing_among_others_warns_at_the_shard_call(one_ran
     with pytest.warns(UnmatchedUnits) as told:
         rt = paramfsm.shard(model, units=[nn.Linear, Elsewhere])
     rt.close()
-    assert len(told) == 1 and told[0].filename == __file__
+    assert len(told) == 1 and (told[0].filename == __file__ or not PLAIN_RUN)
     assert str(told[0].message) == (
         "units=: no module of the model is an instance of Elsewhere, so that entry has no effect and the other "
         "entries choose the units. What to do: remove it, or name a class the model contains or one of its own "
