@@ -158,6 +158,19 @@ def test_small_children_add_their_bytes_to_the_parent_and_units_below_do_not():
     # Children of 4*8*4 = 128 bytes are units: the parent keeps 40 bytes and joins the root.
     chosen = select_unit_modules(_parent_with_children(8), None, min_unit_bytes=100)
     assert list(chosen) == ["", "parent.x", "parent.y"] and chosen.merged == {"": ["parent"]}
+    chosen = select_unit_modules(_parent_with_children(8), None, min_unit_bytes=41)
+    assert list(chosen) == ["", "parent.x", "parent.y"], "a unit below adds nothing: 40 bytes are fewer than 41"
+
+
+def test_merged_modules_are_listed_in_module_order_not_by_name():
+    model = nn.Module()
+    model.b = nn.Linear(1, 1)
+    model.a = nn.Linear(1, 1)
+    model.parent = nn.Linear(32, 32)
+    model.parent.z = nn.Linear(1, 1)
+    model.parent.y = nn.Linear(1, 1)
+    chosen = select_unit_modules(model, None, min_unit_bytes=1000)
+    assert chosen.merged == {"": ["b", "a"], "parent": ["parent.z", "parent.y"]}
 
 
 def test_a_tied_weight_counts_in_each_module_registering_it():

@@ -129,6 +129,26 @@ class TiedHead(nn.Module):
         return F.linear(torch.tanh(self.lin(self.emb(tokens))), self.emb.weight)
 
 
+class KeywordBlock(Block):
+    """Reads its child's weight and bias as keyword arguments."""
+
+    def forward(self, x):
+        return torch.tanh(F.linear(x, weight=self.proj.weight, bias=self.proj.bias)) * self.gain
+
+
+def test_a_read_passing_the_parameters_by_keyword_is_gathered_on_demand(one_rank):
+    torch.manual_seed(0)
+    model = Reader()
+    model.block = KeywordBlock()
+    ref = copy.deepcopy(model)
+    rt = paramfsm.shard(model, min_unit_bytes=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grad_err, param_err = _train(model, ref, rt)
+    assert len(_told(caught)) == 2 and grad_err <= 1e-6 and param_err <= 1e-6, (grad_err, param_err)
+    rt.close()
+
+
 def test_the_root_reading_a_tied_weight_trains_like_plain_torch_and_outside_a_forward_it_is_not_gathered(one_rank):
     torch.manual_seed(0)
     model = TiedHead()

@@ -128,20 +128,53 @@ def test_gathered_it_computes_like_plain_torch(sharded):
         assert storage(bilinear.weight).shape == (2, 3, 4)
 
 
-class lowercase(nn.Parameter):  # noqa: N801 - the guard class capitalises the first letter
-    pass
-
-
 def test_conceal_and_reveal_switch_the_class_and_back():
+    class lowercase(nn.Parameter):  # noqa: N801 - the guard class capitalises the first letter
+        """Made here, so each run of the test makes its guard class anew."""
+
     p, q = lowercase(torch.zeros(2)), lowercase(torch.zeros(3))
     conceal(p)
     guard = type(p)
     assert guard.__name__ == "NotGatheredLowercase" and guard.__bases__ == (lowercase,)
+    assert guard.__module__ == placeholder.__name__
+    assert guard.__doc__ == ("A lowercase whose data is not gathered on this rank "
+                             "(see paramfsm.engine.storage.placeholder).")
+    with pytest.raises(NotGathered) as info:
+        pickle.dumps(p)
+    assert info.value.param == "<unknown>" and info.value.op == "pickling (torch.save of the model)"
     conceal(p)
     conceal(q)
     assert type(p) is guard and type(q) is guard, "concealed once; the guard class is made once"
     reveal(p)
     reveal(q)
-    assert type(p) is lowercase and type(q) is lowercase
+    assert type(p) is lowercase and type(q) is lowercase and p.sum().item() == 0
     reveal(p)
     assert type(p) is lowercase
+
+
+def test_setting_data_is_allowed(sharded):
+    model, _, _ = sharded
+    w = model[0].weight
+    w.data = torch.empty(0, dtype=torch.float64)
+    assert w.shape == (2, 3, 4) and storage(w).numel() == 0
+
+
+def test_a_fresh_parameter_class_gets_a_guard_that_refuses_its_values(one_rank):
+    class Fresh(nn.Parameter):
+        """Made here, so each run of the test makes its guard class anew."""
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0].weight = Fresh(model[0].weight.detach())
+    rt = paramfsm.shard(model, min_unit_bytes=0)
+    w = model[0].weight
+    assert isinstance(w, Fresh) and type(w).__name__.startswith("NotGathered")
+    assert (_raised(lambda: w.sum()).op, _raised(lambda: pickle.dumps(w)).op) == (
+        "TensorBase.sum", "pickling (torch.save of the model)")
+    rt.close()
+
+
+def test_the_error_names_the_empty_data_operand_not_a_gathered_parameter(sharded):
+    model, _, rt = sharded
+    with rt.gathered(model[1]):
+        error = _raised(lambda: torch.einsum("oi,kij->okj", model[1].weight, model[0].weight.data))
+    assert error.param == "0.weight"
