@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +57,15 @@ def test_the_fault_catalogue_has_one_name():
     assert faults.CATALOGUE and set(faults.FAULTS) == {fault.name for fault in faults.CATALOGUE}
     with faults.activate(faults.CATALOGUE[0].name) as fault:
         assert fault is faults.CATALOGUE[0]
+
+
+def test_the_readme_counts_the_canonical_patterns_verify_runs_first():
+    """``--examples N`` runs N programs after the canonical patterns: the README's arithmetic holds."""
+    from paramfsm.verify.programs import CANONICAL
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    said = re.search(r"the catalogued bugs, (\d+) of them\) always run first, so `--examples 1` runs (\d+) "
+                     r"programs and\s+`--examples 50` runs (\d+)", readme)
+    assert said, "the README no longer says how many canonical patterns run first"
+    n = len(CANONICAL)
+    assert tuple(map(int, said.groups())) == (n, n + 1, n + 50)
