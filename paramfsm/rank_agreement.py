@@ -10,8 +10,6 @@ rank's slices, which no rank ever had.
 
 :func:`agree` runs inside ``paramfsm.shard``, before the shards are cut:
 
-* ``sync_module_states=True`` broadcasts rank 0's parameters and buffers
-  first, as FSDP1 and DDP do, so every rank starts from rank 0's values;
 * one all-gather of three 64-bit words per rank: a hash of the structure
   (every parameter's qualified name, shape, dtype and which parameter it is
   tied to) and a fingerprint of the values. Different structures raise
@@ -23,6 +21,11 @@ rank's slices, which no rank ever had.
   The warning says how to fix it: the same seed on every rank, or
   ``sync_module_states=True``. Parameters on the meta device have no values
   and are not fingerprinted.
+* then ``sync_module_states=True`` broadcasts rank 0's parameters and
+  buffers, as FSDP1 and DDP do, so every rank starts from rank 0's values.
+  The structures are checked first: ranks holding different models would
+  pair broadcasts of different tensors (gloo aborts or blocks), where the
+  check raises ModelMismatch on every rank.
 
 Hybrid sharding checks the shard group and the replicate group alike.
 """
@@ -73,9 +76,6 @@ def agree(model: nn.Module, groups, device, *, sync_module_states: bool) -> None
     groups = [g for g in groups if dist.get_world_size(g) > 1]
     if not groups:
         return
-    if sync_module_states:
-        for group in groups:
-            broadcast_states(model, group)
     rows = describe(model)
     digest = hashlib.sha256(repr(rows).encode()).digest()
     words = list(struct.unpack("<qq", digest[:16])) + list(struct.unpack("<q", struct.pack("<d", fingerprint(model))))
@@ -96,6 +96,9 @@ def agree(model: nn.Module, groups, device, *, sync_module_states: bool) -> None
                 "building the model (torch.manual_seed(seed), the same seed everywhere), or pass "
                 "paramfsm.shard(model, sync_module_states=True) to start from rank 0's values; if you load "
                 "weights afterwards (rt.load_full_state_dict), ignore this warning."), stacklevel=4)
+    if sync_module_states:  # only once the structures agree: different models would pair different broadcasts
+        for group in groups:
+            broadcast_states(model, group)
 
 
 def broadcast_states(model: nn.Module, group) -> None:

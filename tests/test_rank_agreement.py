@@ -4,6 +4,7 @@ when the values differ, and ``sync_module_states=True`` starts every rank from r
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -19,9 +20,9 @@ def stack(depth: int, width: int = 8) -> nn.Sequential:
     return nn.Sequential(*(nn.Linear(width, width) for _ in range(depth)))
 
 
-def _shard_error(model) -> str:
+def _shard_error(model, **kwargs) -> str:
     try:
-        rt = paramfsm.shard(model)
+        rt = paramfsm.shard(model, **kwargs)
     except ModelMismatch as exc:
         return str(exc)
     rt.close()
@@ -31,7 +32,8 @@ def _shard_error(model) -> str:
 def agreement_job(rank, world):
     torch.manual_seed(0)
     out = {"depth": _shard_error(stack(3 if rank == 0 else 4)),
-           "width": _shard_error(nn.Sequential(nn.Linear(8, 8 if rank == 0 else 6)))}
+           "width": _shard_error(nn.Sequential(nn.Linear(8, 8 if rank == 0 else 6))),
+           "synced_depth": _shard_error(stack(3 if rank == 0 else 4), sync_module_states=True)}
     torch.manual_seed(rank)  # seeded by rank: the same model, different values
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -64,6 +66,8 @@ def test_ranks_must_hold_the_same_model(ranks2):
         assert f"rank {rank} and rank {other} hold different models" in out["depth"], out["depth"]
         assert "'3.weight'" in out["depth"] and "exists only" in out["depth"], out["depth"]
         assert "parameter '0.weight' has shape" in out["width"], out["width"]
+        # sync_module_states=True checks the structures before it broadcasts (else the ranks block).
+        assert f"rank {rank} and rank {other} hold different models" in out["synced_depth"], out["synced_depth"]
         assert len(out["differ"]) == 1 and "sync_module_states=True" in out["differ"][0], out["differ"]
         assert "torch.manual_seed" in out["differ"][0]
         assert out["synced_warnings"] == [], out["synced_warnings"]
