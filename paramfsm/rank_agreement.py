@@ -95,7 +95,7 @@ def agree(model: nn.Module, groups, device, *, sync_module_states: bool) -> None
                 "would be stitched together from several. What to do: seed every rank alike before "
                 "building the model (torch.manual_seed(seed), the same seed everywhere), or pass "
                 "paramfsm.shard(model, sync_module_states=True) to start from rank 0's values; if you load "
-                "weights afterwards (rt.load_full_state_dict), ignore this warning."), stacklevel=4)
+                "weights afterwards (rt.load_full_state_dict), ignore this warning."), stacklevel=5)
     if sync_module_states:  # only once the structures agree: different models would pair different broadcasts
         for group in groups:
             broadcast_states(model, group)

@@ -39,6 +39,7 @@ def agreement_job(rank, world):
         warnings.simplefilter("always")
         paramfsm.shard(stack(2)).close()
     out["differ"] = [str(w.message) for w in caught if issubclass(w.category, RanksDiffer)]
+    out["differ_at"] = [os.path.basename(w.filename) for w in caught if issubclass(w.category, RanksDiffer)]
     torch.manual_seed(0)
     reference = stack(2)  # rank 0's model, on every rank
     torch.manual_seed(rank)
@@ -70,5 +71,6 @@ def test_ranks_must_hold_the_same_model(ranks2):
         assert f"rank {rank} and rank {other} hold different models" in out["synced_depth"], out["synced_depth"]
         assert len(out["differ"]) == 1 and "sync_module_states=True" in out["differ"][0], out["differ"]
         assert "torch.manual_seed" in out["differ"][0]
+        assert out["differ_at"] == ["test_rank_agreement.py"], out["differ_at"]  # the line that called shard
         assert out["synced_warnings"] == [], out["synced_warnings"]
         assert out["report"]["checks"] == 4
