@@ -1,0 +1,141 @@
+"""``paramfsm.launch`` in the test process: a rank's worker loop and the pool's collection of answers.
+
+A :class:`RankPool` normally forks its ranks; here the worker function runs
+as one rank in a thread of the test process (world 1, gloo over 127.0.0.1),
+talking to the pool over a pipe exactly as a forked rank would, so what the
+pool sends and how it collects results, failures and timeouts is seen by
+``make mutate``. ``tests/test_launch.py`` runs real forked pools.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from paramfsm import launch
+from paramfsm.launch import RankFailure, RankPool
+
+
+def _rank_info(rank, world, extra):
+    return (rank, world, dist.get_world_size(), os.environ.get("PARAMFSM_LAUNCH_PROBE"), extra)
+
+
+def _fails(rank, world):
+    raise ValueError("bad value on this rank")
+
+
+class _Thread(threading.Thread):
+    """A worker thread that also answers the pool's kill()."""
+
+    def kill(self):
+        raise AssertionError("an idle worker is stopped politely, never killed")
+
+
+@pytest.fixture
+def pool_of_one_thread(monkeypatch):
+    """A one-rank pool whose rank is ``launch._worker`` in a thread; yields (pool, exit codes)."""
+    exits = []
+    monkeypatch.setattr(launch.os, "_exit", exits.append)  # the worker ends its process; here only its loop
+    parent, child = mp.Pipe()
+    environ = dict(os.environ, PARAMFSM_LAUNCH_PROBE="seen")
+    worker = _Thread(target=launch._worker, daemon=True,
+                     args=(0, 1, launch.free_port(), child, list(sys.path), torch.get_num_threads(), "gloo",
+                           "cpu", environ))
+    saved = dict(os.environ)
+    pool = RankPool(1, timeout=30)
+    try:
+        worker.start()
+        pool._procs, pool._conns = [worker], [parent]
+        assert pool._collect("start-up") == [None]
+        yield pool, exits, worker
+    finally:
+        pool.close()
+        worker.join(timeout=10)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_a_pool_runs_functions_with_their_arguments_and_stops_its_worker(pool_of_one_thread):
+    pool, exits, worker = pool_of_one_thread
+    assert pool.run(_rank_info, "x") == [(0, 1, 1, "seen", "x")]
+    assert pool.run(_rank_info, 7) == [(0, 1, 1, "seen", 7)]  # the same worker, again
+    pool.close()
+    worker.join(timeout=10)
+    assert not worker.is_alive() and exits == [0] and not dist.is_initialized()
+    assert pool._procs == [] and pool._conns == []
+
+
+def test_a_failing_function_raises_rank_failure_with_the_remote_traceback(pool_of_one_thread):
+    pool, exits, worker = pool_of_one_thread
+    with pytest.raises(RankFailure) as info:
+        pool.run(_fails)
+    assert info.value.rank == 0 and "ValueError: bad value on this rank" in info.value.detail
+    assert str(info.value).startswith("rank 0 failed:\nTraceback")
+    worker.join(timeout=10)
+    assert not worker.is_alive() and pool._conns == []  # the pool stopped its worker
+
+
+def test_a_rank_that_does_not_answer_in_time_fails_the_run():
+    pool = RankPool(2, timeout=30)
+    ends = [mp.Pipe() for _ in range(2)]
+    pool._conns = [parent for parent, _ in ends]
+    ends[1][1].send(("ok", "second"))
+    with pytest.raises(RankFailure) as info:
+        pool._collect("job", timeout=0.2)
+    assert info.value.rank == 0 and info.value.detail == \
+        "job: no answer within 0s (a rank may be blocked in a collective)"
+    assert pool._conns == []
+
+
+def test_answers_are_ordered_by_rank_and_a_dead_worker_is_named():
+    pool = RankPool(3)
+    ends = [mp.Pipe() for _ in range(3)]
+    pool._conns = [parent for parent, _ in ends]
+    for rank in (2, 0, 1):
+        ends[rank][1].send(("ok", f"from {rank}"))
+    assert pool._collect("job") == ["from 0", "from 1", "from 2"]
+    ends[0][1].send(("ok", 0))
+    ends[1][1].close()
+    with pytest.raises(RankFailure) as info:
+        pool._collect("job")
+    assert info.value.rank == 1 and info.value.detail == "job: the worker process died"
+
+
+def test_a_pool_chooses_its_backend_and_threads():
+    assert RankPool(2).backend == "gloo" and RankPool(2, device="cuda").backend == "nccl"
+    assert RankPool(2, device="cuda", backend="gloo").backend == "gloo"
+    assert RankPool(4, threads=3).threads == 3
+    assert RankPool(1).threads == max(1, (os.cpu_count() or 2))
+    assert RankPool(10 ** 6).threads == 1
+    pool = RankPool(3, timeout=5.0)
+    assert (pool.world, pool.timeout, pool.device) == (3, 5.0, "cpu")
+    with pool as same:
+        assert same is pool
+    assert pool._procs == []
+
+
+def test_ranks_fork_from_a_server_that_imported_torch():
+    ctx = launch._context()
+    assert ctx.get_start_method() == "forkserver"
+    from multiprocessing import forkserver
+    assert forkserver._forkserver._preload_modules == ["torch", "torch.distributed"]
+
+
+def test_a_free_port_can_be_bound():
+    port = launch.free_port()
+    assert 1024 <= port < 65536
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_rank_failure_carries_the_rank_and_the_detail():
+    failure = RankFailure(3, "Traceback: boom")
+    assert isinstance(failure, RuntimeError) and (failure.rank, failure.detail) == (3, "Traceback: boom")
+    assert str(failure) == "rank 3 failed:\nTraceback: boom"
