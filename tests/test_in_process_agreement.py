@@ -137,7 +137,7 @@ def _on_ranks(world: int, job):
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(timeout=20)
+            thread.join(timeout=10)
         assert not any(thread.is_alive() for thread in threads), "a rank is blocked"
     finally:
         _uninstall_threaded_pg()
@@ -200,7 +200,9 @@ def test_different_models_raise_on_every_rank_naming_the_first_difference():
                                      "'0.weight' has shape (4, 4) here and (6, 4) there."), str(errors[0])
     assert str(errors[1]).startswith("paramfsm.shard: rank 1 and rank 0 hold different models: parameter "
                                      "'0.weight' has shape (6, 4) here and (4, 4) there."), str(errors[1])
-    assert "build it from the same configuration on every rank" in str(errors[0])
+    assert str(errors[0]).endswith(
+        "Every rank must build the same model (the same layer count, widths, dtypes and tied weights) before "
+        "paramfsm.shard; build it from the same configuration on every rank."), str(errors[0])
 
 
 def test_a_rank_whose_model_differs_is_named_by_the_others():
@@ -249,3 +251,16 @@ def test_a_group_of_one_rank_checks_nothing():
 
     _, errors, differ = _agreeing(2, lambda rank: _stack((4, 4 + rank, 3), seed=rank), groups)
     assert errors == [None, None] and differ == []
+
+
+def test_a_mismatch_inside_one_group_is_named_with_the_ranks_of_that_group():
+    """Groups {0, 1} and {2, 3}: rank 3's model differs from rank 2's; ranks 0 and 1 agree and go on."""
+    def groups():
+        made = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        return [made[dist.get_rank() // 2]]
+
+    _, errors, _ = _agreeing(4, lambda rank: _stack((4, 4, 3) if rank != 3 else (4, 5, 3)), groups)
+    assert errors[:2] == [None, None], errors
+    assert all(isinstance(e, ModelMismatch) for e in errors[2:]), errors
+    assert "rank 0 and rank 1 hold different models: parameter '0.weight' has shape (4, 4) here" in str(errors[2])
+    assert "rank 1 and rank 0 hold different models: parameter '0.weight' has shape (5, 4) here" in str(errors[3])

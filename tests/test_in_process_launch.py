@@ -39,27 +39,43 @@ class _Thread(threading.Thread):
 
 
 @pytest.fixture
-def pool_of_one_thread(monkeypatch):
-    """A one-rank pool whose rank is ``launch._worker`` in a thread; yields (pool, exit codes)."""
+def one_thread_rank(monkeypatch):
+    """Starts ``launch._worker`` as rank 0 of 1 in a thread: ``start(backend)`` gives (pool, worker, exits)."""
     exits = []
     monkeypatch.setattr(launch.os, "_exit", exits.append)  # the worker ends its process; here only its loop
-    parent, child = mp.Pipe()
-    environ = dict(os.environ, PARAMFSM_LAUNCH_PROBE="seen")
-    worker = _Thread(target=launch._worker, daemon=True,
-                     args=(0, 1, launch.free_port(), child, list(sys.path), torch.get_num_threads(), "gloo",
-                           "cpu", environ))
     saved = dict(os.environ)
-    pool = RankPool(1, timeout=30)
-    try:
+    pools, workers = [], []
+
+    def start(backend="gloo"):
+        parent, child = mp.Pipe()
+        environ = dict(os.environ, PARAMFSM_LAUNCH_PROBE="seen")
+        worker = _Thread(target=launch._worker, daemon=True,
+                         args=(0, 1, launch.free_port(), child, list(sys.path), torch.get_num_threads(), backend,
+                               "cpu", environ))
+        pool = RankPool(1, timeout=10)
         worker.start()
         pool._procs, pool._conns = [worker], [parent]
-        assert pool._collect("start-up") == [None]
-        yield pool, exits, worker
+        pools.append(pool)
+        workers.append(worker)
+        return pool, worker, exits
+
+    try:
+        yield start
     finally:
-        pool.close()
-        worker.join(timeout=10)
+        for pool in pools:
+            pool.close()
+        for worker in workers:
+            worker.join(timeout=10)
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture
+def pool_of_one_thread(one_thread_rank):
+    """A one-rank pool whose rank is ``launch._worker`` in a thread, started: (pool, exit codes, worker)."""
+    pool, worker, exits = one_thread_rank()
+    assert pool._collect("start-up") == [None]
+    return pool, exits, worker
 
 
 def test_a_pool_runs_functions_with_their_arguments_and_stops_its_worker(pool_of_one_thread):
@@ -80,6 +96,24 @@ def test_a_failing_function_raises_rank_failure_with_the_remote_traceback(pool_o
     assert str(info.value).startswith("rank 0 failed:\nTraceback")
     worker.join(timeout=10)
     assert not worker.is_alive() and pool._conns == []  # the pool stopped its worker
+
+
+@pytest.mark.filterwarnings("ignore:Device capability of no-such-backend unknown")  # torch's, for the name
+def test_a_rank_that_cannot_join_the_group_fails_the_start(one_thread_rank):
+    pool, worker, exits = one_thread_rank("no-such-backend")
+    with pytest.raises(RankFailure) as info:
+        pool._collect("start-up")
+    assert info.value.rank == 0 and "no-such-backend" in info.value.detail, info.value.detail
+    worker.join(timeout=10)
+    assert not worker.is_alive() and exits == [] and not dist.is_initialized()
+
+
+def test_a_worker_whose_pool_went_away_leaves_the_group(pool_of_one_thread):
+    pool, exits, worker = pool_of_one_thread
+    pool._conns[0].close()  # no stop message: the worker sees the end of the pipe
+    pool._procs, pool._conns = [], []
+    worker.join(timeout=10)
+    assert not worker.is_alive() and exits == [0] and not dist.is_initialized()
 
 
 def test_a_rank_that_does_not_answer_in_time_fails_the_run():

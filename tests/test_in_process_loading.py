@@ -22,7 +22,7 @@ from torch import nn
 
 import paramfsm
 from paramfsm.errors import ParamFSMError
-from paramfsm.integrations.safetensors_slices import Entry, headers, load_files, read
+from paramfsm.integrations.safetensors_slices import DTYPES, Entry, headers, load_files, read
 
 
 class Tied(nn.Module):
@@ -235,6 +235,21 @@ def test_headers_give_each_tensors_place_and_skip_the_metadata(tmp_path):
             handle.seek(entry.offset)
             raw = handle.read(tensor.numel() * tensor.element_size())
         assert torch.equal(torch.frombuffer(bytearray(raw), dtype=tensor.dtype).view(tensor.shape), tensor)
+
+
+def test_every_dtype_safetensors_writes_is_read_back_with_its_values(tmp_path):
+    tensors = {name: (torch.arange(6) % 2).to(dtype).view(2, 3) for name, dtype in DTYPES.items()}
+    path = _write(tmp_path / "dtypes.safetensors", tensors)
+    with open(path, "rb") as handle:
+        table = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
+    assert {key: info["dtype"] for key, info in table.items() if key != "__metadata__"} == \
+        {name: name for name in DTYPES}  # each name is the one safetensors writes for that dtype
+    found = headers([path])
+    with open(path, "rb", buffering=0) as handle:
+        for name, tensor in tensors.items():
+            got = read(handle, found[name], 0, 6)
+            assert got.dtype == tensor.dtype and torch.equal(got.view(torch.uint8), tensor.reshape(-1).view(
+                torch.uint8)), name
 
 
 def test_a_file_whose_header_does_not_parse_is_named(tmp_path):

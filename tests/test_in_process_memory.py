@@ -111,8 +111,8 @@ def test_an_asynchronous_save_reports_its_staged_copy(one_rank, tmp_path):
 
 
 def test_sizes_are_written_in_binary_units():
-    assert [_size(n) for n in (0, 1023, 1024, 1536, 1024 ** 2, 5 * 1024 ** 3, 3 * 1024 ** 4)] == \
-        ["0 B", "1023 B", "1.0 KiB", "1.5 KiB", "1.0 MiB", "5.0 GiB", "3072.0 GiB"]
+    assert [_size(n) for n in (0, 1023, 1024, 1100, 1536, 1024 ** 2, 5 * 1024 ** 3, 3 * 1024 ** 4)] == \
+        ["0 B", "1023 B", "1.0 KiB", "1.1 KiB", "1.5 KiB", "1.0 MiB", "5.0 GiB", "3072.0 GiB"]
     assert describe({"shards": 2048, "shard_grads": 0}) == "shards 2.0 KiB, shard_grads 0 B"
 
 
