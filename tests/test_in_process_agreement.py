@@ -23,7 +23,7 @@ from torch.testing._internal.distributed.multi_threaded_pg import _install_threa
 from paramfsm.errors import ModelMismatch
 from paramfsm.rank_agreement import RanksDiffer, agree, describe, fingerprint, first_difference
 
-CPU = torch.device("cpu")
+CPU, META = torch.device("cpu"), torch.device("meta")
 
 #: The ranks build their models one at a time: the seeded default generator is shared by the threads.
 BUILDING = threading.Lock()
@@ -154,7 +154,8 @@ def _agreeing(world: int, build, groups=lambda: [None], sync: bool = False):
     def job(rank):
         with BUILDING:
             model = build(rank)
-        agree(model, groups(), CPU, sync_module_states=sync)
+        agree(model, groups(), META if any(p.is_meta for p in model.parameters()) else CPU,
+              sync_module_states=sync)
         return _values(model)
 
     with warnings.catch_warnings(record=True) as caught:
@@ -170,13 +171,44 @@ def test_the_same_model_with_the_same_values_passes_silently():
 
 
 def test_different_values_warn_on_every_rank_naming_the_ranks_that_differ():
-    results, errors, differ = _agreeing(3, lambda rank: _stack(seed=0 if rank == 1 else rank))
+    results, errors, differ = _agreeing(3, lambda rank: _stack(seed=1 if rank == 1 else 0))
     assert errors == [None] * 3 and len(differ) == 3, (errors, differ)
-    for message in differ:
-        assert "different values (ranks [2] differ from rank 0)" in message, message
-        assert "torch.manual_seed(seed)" in message and "sync_module_states=True" in message, message
-    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))  # nothing is changed
-    assert not torch.equal(results[0][0], results[2][0])
+    assert differ == [
+        "paramfsm.shard: the ranks hold the same model with different values (ranks [1] differ from rank 0), so "
+        "each rank would keep its slice of its own values and the model trained would be stitched together from "
+        "several. What to do: seed every rank alike before building the model (torch.manual_seed(seed), the same "
+        "seed everywhere), or pass paramfsm.shard(model, sync_module_states=True) to start from rank 0's values; "
+        "if you load weights afterwards (rt.load_full_state_dict), ignore this warning."] * 3
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[2]))  # nothing is changed
+    assert not torch.equal(results[0][0], results[1][0])
+
+
+def test_models_with_negative_fingerprints_are_compared_too():
+    def build(rank):
+        model = _stack(seed=0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(-1.0 - rank)
+        return model
+
+    assert fingerprint(build(0)) < 0
+    _, errors, differ = _agreeing(2, build)
+    assert errors == [None, None] and len(differ) == 2 and "ranks [1] differ" in differ[0], (errors, differ)
+
+
+def test_models_on_the_meta_device_are_compared_by_structure_and_their_real_buffers_synchronised():
+    """Parameters on meta (no values yet), buffers already real, as accelerate.init_empty_weights leaves them."""
+    def build(rank):
+        with torch.device("meta"):
+            model = _stack((4, 4, 3) if rank < 2 else (4, 4, 2))
+        model.register_buffer("steps", torch.full((2,), float(rank)))
+        return model
+
+    results, errors, differ = _agreeing(2, build, sync=True)
+    assert errors == [None, None] and differ == [], (errors, differ)
+    assert all(torch.equal(values[-1], torch.zeros(2)) for values in results), results
+    _, errors, _ = _agreeing(3, build, sync=True)
+    assert all(isinstance(e, ModelMismatch) for e in errors), errors
 
 
 def test_sync_module_states_gives_every_rank_rank_0s_values_without_a_warning():

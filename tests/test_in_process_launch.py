@@ -14,6 +14,8 @@ import os
 import socket
 import sys
 import threading
+import time
+from functools import partial
 
 import pytest
 import torch
@@ -25,6 +27,11 @@ from paramfsm.launch import RankFailure, RankPool
 
 def _rank_info(rank, world, extra):
     return (rank, world, dist.get_world_size(), os.environ.get("PARAMFSM_LAUNCH_PROBE"), extra)
+
+
+def _slow(rank, world):
+    time.sleep(1.5)
+    return rank
 
 
 def _fails(rank, world):
@@ -98,12 +105,45 @@ def test_a_failing_function_raises_rank_failure_with_the_remote_traceback(pool_o
     assert not worker.is_alive() and pool._conns == []  # the pool stopped its worker
 
 
-@pytest.mark.filterwarnings("ignore:Device capability of no-such-backend unknown")  # torch's, for the name
+@pytest.mark.parametrize("fn", [_slow, partial(_slow)], ids=["function", "partial"])
+def test_a_run_past_its_timeout_fails_naming_the_function(pool_of_one_thread, fn):
+    pool, exits, worker = pool_of_one_thread
+    with pytest.raises(RankFailure) as info:
+        pool.run(fn, timeout=1)
+    name = getattr(fn, "__name__", None) or str(fn)
+    assert info.value.detail == f"{name}: no answer within 1s (a rank may be blocked in a collective)"
+    worker.join(timeout=10)
+    assert not worker.is_alive() and pool._conns == []
+
+
+def test_a_worker_that_does_not_stop_is_killed():
+    class Stuck:
+        def __init__(self):
+            self.calls = []
+
+        def join(self, timeout=None):
+            self.calls.append(("join", timeout))
+
+        def is_alive(self):
+            return not self.calls or self.calls[-1] != ("kill", None)
+
+        def kill(self):
+            self.calls.append(("kill", None))
+
+    pool, stuck = RankPool(1), Stuck()
+    parent, child = mp.Pipe()
+    pool._procs, pool._conns = [stuck], [parent]
+    pool.close()
+    (first, wait), rest = stuck.calls[0], stuck.calls[1:]
+    assert first == "join" and wait is not None and rest == [("kill", None), ("join", None)], stuck.calls
+    assert child.recv() is None  # it was asked to stop first
+
+
 def test_a_rank_that_cannot_join_the_group_fails_the_start(one_thread_rank):
-    pool, worker, exits = one_thread_rank("no-such-backend")
+    pool, worker, exits = one_thread_rank("cpu:no-such-backend")
     with pytest.raises(RankFailure) as info:
         pool._collect("start-up")
-    assert info.value.rank == 0 and "no-such-backend" in info.value.detail, info.value.detail
+    assert info.value.rank == 0 and "backend type NO-SUCH-BACKEND" in info.value.detail, info.value.detail
     worker.join(timeout=10)
     assert not worker.is_alive() and exits == [] and not dist.is_initialized()
 
@@ -142,7 +182,14 @@ def test_answers_are_ordered_by_rank_and_a_dead_worker_is_named():
     assert info.value.rank == 1 and info.value.detail == "job: the worker process died"
 
 
-def test_a_pool_chooses_its_backend_and_threads():
+def test_a_pool_chooses_its_backend_and_threads(monkeypatch):
+    assert (RankPool().world, RankPool().timeout) == (2, 300.0)
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
+    assert [RankPool(w).threads for w in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    assert all(type(RankPool(w).threads) is int for w in (1, 2, 3))
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: None)  # unknown: two cores assumed
+    assert [RankPool(w).threads for w in (1, 2)] == [2, 1]
+    monkeypatch.undo()
     assert RankPool(2).backend == "gloo" and RankPool(2, device="cuda").backend == "nccl"
     assert RankPool(2, device="cuda", backend="gloo").backend == "gloo"
     assert RankPool(4, threads=3).threads == 3

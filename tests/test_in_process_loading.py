@@ -10,6 +10,7 @@ Everything runs as rank 0 of a one-rank group (:mod:`one_rank`).
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import struct
@@ -22,6 +23,7 @@ from torch import nn
 
 import paramfsm
 from paramfsm.errors import ParamFSMError
+from paramfsm.integrations import safetensors_slices
 from paramfsm.integrations.safetensors_slices import DTYPES, Entry, headers, load_files, read
 
 
@@ -132,11 +134,13 @@ def test_another_dtype_is_converted_as_tensor_to_converts_it(one_rank, tmp_path,
 
 def test_tensors_the_model_lacks_are_ignored_and_logged(one_rank, tmp_path, caplog):
     rt = paramfsm.shard(_model())
-    tensors = dict(_checkpoint(seed=5), extra=torch.ones(2), zzz=torch.ones(1))
+    unused = [f"extra.{i}" for i in range(6)]
+    tensors = dict(_checkpoint(seed=5), **{name: torch.ones(2) for name in unused})
     with caplog.at_level(logging.INFO, logger="paramfsm.integrations.safetensors_slices"):
         load_files(rt, [_write(tmp_path / "m.safetensors", tensors)], "extra-dir")
-    _expect_file(rt, {k: v for k, v in tensors.items() if k not in ("extra", "zzz")})
-    assert "extra-dir" in caplog.text and "2 tensors" in caplog.text and "['extra', 'zzz']" in caplog.text
+    _expect_file(rt, {k: v for k, v in tensors.items() if k not in unused})
+    assert [r.getMessage() for r in caplog.records] == [
+        f"load of extra-dir: 6 tensors the model does not have are ignored: {unused[:5]}"]
     rt.detach()
 
 
@@ -155,9 +159,9 @@ def test_a_missing_key_is_named_and_nothing_is_loaded(one_rank, tmp_path):
     tensors = _checkpoint()
     del tensors["mid.bias"], tensors["inp.weight"]
     message = _refused(rt, [_write(tmp_path / "m.safetensors", tensors)])
-    assert "cannot load 'bad-dir' into the sharded Tied (rank 0); nothing was loaded." in message, message
-    assert "No tensor for: ['inp.weight / out.weight', 'mid.bias']." in message, message
-    assert "Wrong shape" not in message and "state-dict keys" in message, message
+    assert message == ("cannot load 'bad-dir' into the sharded Tied (rank 0); nothing was loaded. No tensor for: "
+                       "['inp.weight / out.weight', 'mid.bias']. Check that the checkpoint was saved from this "
+                       "model class and config (keys are the model's own state-dict keys)"), message
     rt.detach()
 
 
@@ -167,9 +171,11 @@ def test_a_wrong_shape_of_the_same_size_is_named_for_a_parameter_and_a_buffer(on
     tensors["mid.weight"] = tensors["mid.weight"].t().contiguous()
     tensors["norm.running_var"] = tensors["norm.running_var"].view(2, 2)
     message = _refused(rt, [_write(tmp_path / "m.safetensors", tensors)])
-    assert ("Wrong shape: [\"'norm.running_var' is [2, 2] in m.safetensors, the model's buffer is [4]\", "
-            "\"'mid.weight' is [4, 6] in m.safetensors, the model's parameter is [6, 4]\"].") in message, message
-    assert "No tensor for" not in message, message
+    assert message == ("cannot load 'bad-dir' into the sharded Tied (rank 0); nothing was loaded. Wrong shape: "
+                       "[\"'norm.running_var' is [2, 2] in m.safetensors, the model's buffer is [4]\", "
+                       "\"'mid.weight' is [4, 6] in m.safetensors, the model's parameter is [6, 4]\"]. Check that "
+                       "the checkpoint was saved from this model class and config (keys are the model's own "
+                       "state-dict keys)"), message
     rt.detach()
 
 
@@ -179,6 +185,9 @@ def test_the_first_five_problems_are_named(one_rank, tmp_path):
     assert ("['inp.weight / out.weight', 'inp.bias', 'norm.weight', 'norm.bias', 'norm.running_mean']."
             in message), message
     assert "running_var" not in message, message
+    flat = {k: v.reshape(-1, 1) for k, v in _checkpoint().items()}  # every tensor in a wrong shape
+    message = _refused(rt, [_write(tmp_path / "flat.safetensors", flat)])
+    assert message.count("in flat.safetensors") == 5 and "'norm.running_mean' is [4, 1]" in message, message
     rt.detach()
 
 
@@ -188,9 +197,11 @@ def test_a_load_while_parameters_are_gathered_is_refused_naming_them(one_rank, t
     path = _write(tmp_path / "m.safetensors", _checkpoint())
     with rt.gathered(model.mid):
         message = _refused(rt, [path], "busy-dir")
-    assert message.startswith("cannot load 'busy-dir' while parameters are gathered: ['mid.weight', 'mid.bias']"), \
-        message
-    assert "between iterations" in message, message
+    assert message == ("cannot load 'busy-dir' while parameters are gathered: ['mid.weight', 'mid.bias']; "
+                       "call it between iterations"), message
+    with rt.gathered(model):
+        message = _refused(rt, [path], "busy-dir")
+    assert "gathered: ['inp.weight', 'inp.bias', 'norm.weight', 'norm.bias', 'mid.weight']; " in message, message
     load_files(rt, [path], "after")  # released: the same load goes through
     _expect_file(rt, _checkpoint())
     rt.detach()
@@ -268,12 +279,14 @@ def test_an_unknown_dtype_is_named(tmp_path):
 
 
 def test_a_byte_range_that_disagrees_with_dtype_and_shape_is_damage(tmp_path):
-    path = _write_raw(tmp_path / "d.safetensors", {"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 20]}},
-                      b"\0" * 24)
+    path = _write_raw(tmp_path / "d.safetensors", {"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 28]}},
+                      b"\0" * 28)
     with pytest.raises(ParamFSMError) as info:
         headers([path], rank=3)
-    assert ("is damaged: its header gives tensor 'w' (F32, [2, 3]) 20 bytes, where that dtype and shape take 24 "
-            "(rank 3)") in str(info.value), str(info.value)
+    assert str(info.value) == (f"'{path}' is damaged: its header gives tensor 'w' (F32, [2, 3]) 20 bytes, where that "
+                               "dtype and shape take 24 (rank 3); nothing was loaded. Save the checkpoint again")
+    with pytest.raises(ParamFSMError, match=r"take 24 \(rank 0\)"):
+        headers([path])
 
 
 def test_a_truncated_file_is_named_before_anything_is_read(one_rank, tmp_path):
@@ -327,4 +340,54 @@ def test_a_file_that_shrinks_during_the_read_is_named(tmp_path):
         assert torch.equal(read(handle, entry, 0, 3), tensor[:3])
         with pytest.raises(ParamFSMError) as info:
             read(handle, entry, 0, 8)
-    assert f"'{path}' ended inside tensor 't' while it was read" in str(info.value), str(info.value)
+    assert str(info.value) == (f"'{path}' ended inside tensor 't' while it was read, though its header fit the "
+                               "file's size: the file changed during the load; load it again once it is complete")
+
+
+class Trickle(io.RawIOBase):
+    """A file that returns at most three bytes a read, as a pipe or a network file system may."""
+
+    def __init__(self, path):
+        self.inner = open(path, "rb", buffering=0)
+
+    def readable(self):
+        return True
+
+    def seek(self, offset, whence=0):
+        return self.inner.seek(offset, whence)
+
+    def readinto(self, buffer):
+        return self.inner.readinto(memoryview(buffer)[:3])
+
+    def close(self):
+        self.inner.close()
+        super().close()
+
+
+def test_short_reads_are_continued(tmp_path):
+    tensor = torch.randn(9)
+    path = _write(tmp_path / "t.safetensors", {"t": tensor})
+    with Trickle(path) as handle:
+        assert torch.equal(read(handle, headers([path])["t"], 1, 8), tensor[1:8])
+
+
+def test_a_load_that_fails_part_way_keeps_the_model_guarded(one_rank, tmp_path, monkeypatch):
+    """The file shrinks after its header was read: the read raises, and a forward refuses the mixed values."""
+    model = _model()
+    rt = paramfsm.shard(model)
+    path = _write(tmp_path / "m.safetensors", _checkpoint())
+    read_headers = safetensors_slices.headers
+
+    def then_shrink(files, rank=0):
+        found = read_headers(files, rank)
+        with open(path, "r+b") as handle:
+            handle.truncate(max(entry.offset for entry in found.values()))
+        return found
+
+    monkeypatch.setattr(safetensors_slices, "headers", then_shrink)
+    with pytest.raises(ParamFSMError, match="ended inside tensor"):
+        load_files(rt, [path], "shrinking-dir")
+    with pytest.raises(ParamFSMError) as info:
+        model(torch.randn(2, 4))
+    assert "loading 'shrinking-dir' failed part-way" in str(info.value), str(info.value)
+    rt.detach()

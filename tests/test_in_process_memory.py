@@ -174,6 +174,9 @@ def test_an_unsynchronised_gradient_refuses_the_step_until_synchronised(one_rank
         opt.step()
     assert str(info.value).startswith("SGD.step(): the gradient of parameter '4."), str(info.value)
     assert all(torch.equal(p, before[name]) for name, p in rt.named_shard_parameters())
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with pytest.raises(UnsyncedGradients, match=r"^SGD\.step\(\): the gradient of parameter '0\."):
+        first.step()  # named from this optimizer's parameters, not the first kept of the model
     for call, what in ((lambda: rt.clip_grad_norm_(1.0), "rt.clip_grad_norm_()"),
                        (lambda: rt.full_grad("2.bias"), "rt.full_grad()")):
         with pytest.raises(UnsyncedGradients, match=what.replace("(", r"\(").replace(")", r"\)")):
@@ -220,7 +223,8 @@ def test_sync_gradients_inside_a_backward_is_refused(one_rank):
     model[2].register_forward_hook(watch)
     with rt.no_sync():
         model(torch.randn(2, 4)).sum().backward()
-    assert len(errors) == 1 and errors[0].startswith("rt.sync_gradients() was called inside a backward"), errors
+    assert errors == ["rt.sync_gradients() was called inside a backward (from a hook?); call it between "
+                      "backward passes, on every rank"], errors
     rt.sync_gradients()
     rt.detach()
 
@@ -243,5 +247,41 @@ def test_a_lost_gradient_refuses_sync_gradients(one_rank):
     rt.reset()
     with pytest.raises(UnsyncedGradients, match="is lost") as info:
         rt.sync_gradients()
-    assert "rt.sync_gradients()" in str(info.value)
+    assert str(info.value).startswith("rt.sync_gradients(): the gradient of parameter"), str(info.value)
+    rt.detach()
+
+
+def test_sync_gradients_names_the_lost_gradient_behind_healthy_ones(one_rank):
+    """The first layer keeps healthy gradients first; a whole backward interrupted in the first layer loses
+    those of the layers it had reached."""
+    model, _, rt = _pair()
+    with rt.no_sync():
+        model[0](torch.randn(2, 4)).sum().backward()
+
+    def boom(grad):
+        raise RuntimeError("interrupted")
+
+    with rt.no_sync():
+        y = model(torch.randn(2, 4)).sum()
+        handle = model[0].weight.register_hook(boom)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            y.backward()
+        handle.remove()
+    rt.reset()
+    with pytest.raises(UnsyncedGradients) as info:
+        rt.sync_gradients()
+    message = str(info.value)
+    assert "parameter '0." not in message and "is lost" in message, message
+    rt.detach()
+
+
+def test_sync_gradients_synchronises_with_sync_switched_off(one_rank):
+    model, ref, rt = _pair()
+    rt.set_requires_gradient_sync(False)
+    _micro(model, ref, 2, lambda m: contextlib.nullcontext())
+    assert rt.memory()["unsynced_grads"] == NUMEL * 4
+    rt.sync_gradients()  # explicit: it runs whatever the switch says
+    assert rt.memory()["unsynced_grads"] == 0
+    rt.set_requires_gradient_sync(True)
+    _same_grads(rt, ref)
     rt.detach()
