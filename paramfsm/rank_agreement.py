@@ -69,7 +69,7 @@ def fingerprint(model: nn.Module) -> float:
 
 
 def agree(model: nn.Module, groups, device, *, sync_module_states: bool) -> None:
-    """Broadcast rank 0's values (when asked), then check that every rank of ``groups`` holds this model.
+    """Check that every rank of ``groups`` holds this model, then broadcast rank 0's values (when asked).
 
     ``groups``: process groups (None: the default group) over which the model is sharded or replicated.
     """
