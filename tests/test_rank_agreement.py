@@ -58,6 +58,17 @@ def agreement_job(rank, world):
         pair.check_grads(f"step {step}")
         pair.step(f"step {step}")
     out["report"] = pair.finish()
+    # A meta model with sync_module_states=True: nothing to broadcast yet (meta tensors have no values);
+    # rt.init_weights() then gives every rank the same values, rank 0's plain init.
+    torch.manual_seed(0)
+    plain = stack(2)
+    with torch.device("meta"):
+        meta = stack(2)
+    rt = paramfsm.shard(meta, sync_module_states=True)
+    torch.manual_seed(0)
+    rt.init_weights()
+    out["meta_synced"] = all(torch.equal(rt.full_param(name), p) for name, p in plain.named_parameters())
+    rt.close()
     return out
 
 
@@ -74,3 +85,4 @@ def test_ranks_must_hold_the_same_model(ranks2):
         assert out["differ_at"] == ["test_rank_agreement.py"], out["differ_at"]  # the line that called shard
         assert out["synced_warnings"] == [], out["synced_warnings"]
         assert out["report"]["checks"] == 4
+        assert out["meta_synced"] is True
