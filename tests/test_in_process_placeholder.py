@@ -178,3 +178,13 @@ def test_the_error_names_the_empty_data_operand_not_a_gathered_parameter(sharded
     with rt.gathered(model[1]):
         error = _raised(lambda: torch.einsum("oi,kij->okj", model[1].weight, model[0].weight.data))
     assert error.param == "0.weight"
+
+
+def test_setting_a_property_that_is_not_metadata_raises_naming_it(sharded):
+    """Only ``.data`` and the metadata properties may be set at rest; any other setter is refused by name
+    (``volatile``: a setter torch still hands to the guard, though it no longer has any effect)."""
+    model, _, _ = sharded
+    w = model[0].weight
+    error = _raised(lambda: setattr(w, "volatile", False))
+    assert (error.param, error.unit, error.op) == ("0.weight", "0", "the property .volatile")
+    assert storage(w).numel() == 0
