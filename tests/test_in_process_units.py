@@ -9,6 +9,8 @@ what it takes. All of it is pure: any rank and world size can be checked in one 
 
 from __future__ import annotations
 
+import copy
+import gc
 import os
 
 import pytest
@@ -18,10 +20,12 @@ from one_rank import one_rank  # noqa: F401  (fixture)
 from torch import nn
 
 import paramfsm
+from paramfsm import State
 from paramfsm.engine.storage.units import (ACCEPTED, ParamRecord, UnitModules, build_units, by_size,
                                            check_partitionable, let_go, make_shard, owner_unit,
                                            UnmatchedUnits, select_unit_modules, units_within)
 from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
+from paramfsm.verify.checks import state_invariants
 
 #: Mutation testing calls every mutated function through a trampoline, frames that ``stacklevel`` does not
 #: count: where a warning points is checked in plain test runs only.
@@ -277,3 +281,86 @@ def test_one_entry_matching_nothing_among_others_warns_at_the_shard_call(one_ran
         "entries choose the units. What to do: remove it, or name a class the model contains or one of its own "
         "modules")
 
+
+
+def test_a_module_registered_under_two_names_is_one_unit_under_its_first_name():
+    model = nn.Sequential(nn.Linear(2, 2))
+    model.again = model[0]
+    assert list(select_unit_modules(model, [nn.Linear])) == ["", "0"]
+    units, records = build_units(model, [nn.Linear], rank=0, world=1)
+    assert [u.name for u in units] == ["<root>", "0"] and len(records) == 2
+    assert [r.names for r in units[1].records] == [("0.weight", "again.weight"), ("0.bias", "again.bias")]
+
+
+def test_a_list_entry_predicate_is_given_the_name_and_the_module():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    chosen = select_unit_modules(model, [lambda name, module: name == "2" and isinstance(module, nn.Linear)])
+    assert list(chosen) == ["", "2"]
+
+
+class Picker:
+    """A callable object as a ``units=`` entry: it has no ``__qualname__``, so messages show its repr."""
+
+    def __call__(self, name, module):
+        return False
+
+    def __repr__(self) -> str:
+        return "Picker()"
+
+
+def test_a_refusal_names_a_callable_object_by_its_repr_and_every_class_owning_parameters():
+    model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
+    kind, message = _refusal([Elsewhere, Picker()], model)
+    assert kind is ArgumentError
+    assert message.startswith("units=[Elsewhere, Picker()] matches no module of the model (Sequential): ")
+    assert "(those owning parameters: LayerNorm, Linear)" in message
+
+
+def test_a_meta_parameters_shard_and_emptied_parameter_keep_its_dtype_and_requires_grad():
+    param = nn.Parameter(torch.empty(5, dtype=torch.float16, device="meta"), requires_grad=False)
+    shard, _ = make_shard(param, 1, 2, torch.device("cpu"))
+    assert shard.dtype == torch.float16 and not shard.requires_grad
+    let_go(param, torch.device("cpu"))
+    assert param.dtype == torch.float16 and not param.requires_grad and param.numel() == 0
+
+
+def test_by_size_counts_nothing_of_a_chosen_child_in_its_parent():
+    """``0.1`` (40 bytes) stays with ``0``; ``0.0`` (80 bytes) is a unit and adds nothing to ``0``."""
+    nested = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    assert by_size(41).select(nested) == {"0.0"}
+    assert by_size(40).select(nested) == {"0.0", "0.1"}
+
+
+def test_a_frozen_parameter_is_sharded_and_closed_with_the_rest(one_rank):
+    """A parameter that never required grad has no gradient hooks; closing the runtime restores it."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].weight.requires_grad_(False)
+    expected = copy.deepcopy(model.state_dict())
+    rt = paramfsm.shard(model, min_unit_bytes=0)
+    assert not rt.record("0.weight").requires_grad
+    closed = rt.close()
+    assert type(closed[0].weight) is nn.Parameter and not closed[0].weight.requires_grad
+    assert all(torch.equal(closed.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_a_freshly_sharded_model_meets_the_specs_invariants(one_rank):
+    """Nothing is gathered, staged or pending yet: every record satisfies what its state requires."""
+    rt = paramfsm.shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), min_unit_bytes=0)
+    assert set(rt.states().values()) == {State.NOT_AVAILABLE}
+    assert state_invariants(rt) == []
+    rt.close()
+
+
+def test_a_retained_graph_keeps_its_units_deferred_until_it_is_collected(one_rank):
+    """``retain="defer"`` (the default): after ``backward(retain_graph=True)`` the parameters wait for the next
+    backward over the graph; when the graph is collected they are released."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    rt = paramfsm.shard(model, min_unit_bytes=0)
+    loss = model(torch.ones(3, 2)).sum()
+    loss.backward(retain_graph=True)
+    assert set(rt.states().values()) == {State.DEFERRED_RELEASE}
+    del loss
+    gc.collect()
+    assert set(rt.states().values()) == {State.NOT_AVAILABLE}
+    rt.close()
