@@ -188,3 +188,14 @@ def test_setting_a_property_that_is_not_metadata_raises_naming_it(sharded):
     error = _raised(lambda: setattr(w, "volatile", False))
     assert (error.param, error.unit, error.op) == ("0.weight", "0", "the property .volatile")
     assert storage(w).numel() == 0
+
+
+def test_the_gradient_dtype_of_an_ungathered_parameter_is_read_but_never_set(sharded):
+    """``p.grad_dtype`` is metadata (as ``p.dtype``): read at rest as plain torch reads it. Set, it would not
+    reach the shard's gradient, whose dtype the reduce-scatter decides: refused by name."""
+    model, _, _ = sharded
+    w = model[0].weight
+    assert w.grad_dtype == torch.nn.Linear(2, 2, dtype=w.dtype).weight.grad_dtype == w.dtype
+    error = _raised(lambda: setattr(w, "grad_dtype", torch.float64))
+    assert (error.param, error.op) == ("0.weight", "the property .grad_dtype")
+    assert w.grad_dtype == w.dtype and storage(w).numel() == 0

@@ -66,6 +66,9 @@ _PROPERTIES = frozenset({
     "_base", "_backward_hooks", "_post_accumulate_grad_hooks",
     "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps",
 })
+#: Read as they are, but never set: a gradient dtype set on the full parameter would not reach its shard's
+#: gradient (the reduce-scatter decides that dtype: ``reduce_dtype``), so setting one raises NotGathered.
+_READ_ONLY_PROPERTIES = frozenset({"grad_dtype"})
 _ACCESSORS = frozenset({"__get__", "__set__", "__delete__"})
 #: Answered for the full parameter (see [Note: logical metadata at rest]).
 _LOGICAL_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
@@ -113,7 +116,8 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
         prop = _property_name(func)
         if name == "__get__" and prop in _LOGICAL_PROPERTIES and (rec := record_of(args[0])) is not None:
             return _logical_property(prop, args[0], rec)
-        if prop in _PROPERTIES or (name == "__set__" and prop == "data"):
+        if prop in _PROPERTIES or (name == "__set__" and prop == "data") or (
+                name == "__get__" and prop in _READ_ONLY_PROPERTIES):
             with DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
     elif name in _LOGICAL_METHODS and (rec := record_of(args[0])) is not None:
