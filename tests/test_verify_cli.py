@@ -22,6 +22,7 @@ import pytest
 from paramfsm import cli
 from paramfsm.verify.subject import import_root
 from paramfsm.verify.command import ProgressLine, rejections
+from paramfsm.verify.programs import CANONICAL
 
 USER_MODEL = """\
 import torch
@@ -139,7 +140,8 @@ def test_programs_plain_torch_cannot_run_are_rejected_not_reported(capsys):
     assert match and match.group(1) == match.group(2) and int(match.group(1)) >= 1, out
     assert "Subject(create_graph=False)" in out
     assert re.search(r"^verify: \d+/\d+ programs, 1 rejected, \d+s$", err, re.M), err
-    assert re.search(r"^verify: \d+/23 programs", err, re.M), "--examples 4: 4 drawn after the 19 canonical"
+    total = len(CANONICAL) + 4
+    assert re.search(rf"^verify: \d+/{total} programs", err, re.M), "--examples 4: 4 drawn after the canonical"
     assert "Traceback" not in err
 
 
