@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from one_rank import one_rank  # noqa: F401  (fixture)
 from patterns_common import Pair, batch
+from reading_models import DIM, Reader
 from torch import nn
 
 import paramfsm
@@ -28,34 +29,9 @@ from paramfsm.errors import UnsyncedGradients
 from paramfsm.launch import RankFailure, RankPool
 from paramfsm.testing.models import mlp
 
-DIM = 8
 
 
 # ---------------------------------------------------------------- reads outside a unit
-class Block(nn.Module):
-    """A unit of its own (it owns ``gain``) whose forward reads its child's weight instead of calling it."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(DIM, DIM)
-        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, DIM))
-
-    def forward(self, x):
-        return torch.tanh(F.linear(x, self.proj.weight, self.proj.bias)) * self.gain
-
-
-class Reader(nn.Module):
-    """The root runs ``block``'s forward inside its own: two units run when ``block`` reads ``proj``."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(4, DIM)
-        self.block = Block()
-        self.out = nn.Linear(DIM, 2)
-
-    def forward(self, x):
-        return self.out(self.block(self.inp(x)))
-
 
 def reader_job(rank, world):
     torch.manual_seed(0)
