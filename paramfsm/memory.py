@@ -31,10 +31,11 @@ def memory(rt) -> dict[str, int]:
     ``unsynced_grads``: full gradients kept under ``rt.no_sync()``.
 
     Under offload (``paramfsm.shard(..., offload=...)``) ``shards`` counts only
-    the shards resident in working memory, and three more kinds report the
-    tiers: ``tier_cpu`` and ``tier_disk``, the bytes each tier holds (shards
-    and optimizer state), and ``offload_resident``, the bytes of offloaded
-    values (shards and optimizer state) now in working memory.
+    the shards resident in working memory and ``shard_grads`` only the shard
+    gradients resident there, and three more kinds report the tiers:
+    ``tier_cpu`` and ``tier_disk``, the bytes each tier holds (shards, shard
+    gradients and optimizer state), and ``offload_resident``, the bytes of
+    offloaded values now in working memory.
     """
     held = dict.fromkeys(KINDS, 0)
     by_state = {State.AVAILABLE: "gathered", State.INFLIGHT: "inflight", State.DEFERRED_RELEASE: "deferred"}
@@ -42,8 +43,9 @@ def memory(rt) -> dict[str, int]:
         shard = rec.shard
         if not paged.is_paged_out(shard):
             held["shards"] += shard.numel() * shard.element_size()
-        if shard.grad is not None:
-            held["shard_grads"] += shard.grad.numel() * shard.grad.element_size()
+        grad = shard.grad
+        if grad is not None and not paged.is_paged_out(grad):
+            held["shard_grads"] += grad.numel() * grad.element_size()
         kind = by_state.get(rec.state)
         if kind is not None and rec.local_view is None:
             data = rec.param.data

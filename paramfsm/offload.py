@@ -1,7 +1,7 @@
-"""Offload: shards and optimizer state kept in host memory or on disk, paged in when used.
+"""Offload: shards, their gradients and optimizer state kept in host memory or on disk, paged in when used.
 
-``paramfsm.shard(model, offload=paramfsm.Offload(params="disk", optimizer="disk", path=...))``
-keeps every rank's parameter shards and optimizer state in a tier (``"cpu"``:
+``paramfsm.shard(model, offload=paramfsm.Offload(params="disk", grads="disk", optimizer="disk", path=...))``
+keeps every rank's parameter shards, shard gradients and optimizer state in a tier (``"cpu"``:
 host memory, pinned when CUDA is available; ``"disk"``: one file per rank
 under ``path``) and only a bounded resident set of them in working memory.
 Where each value lives is a lifetime of its own, declared in the spec as the
@@ -34,6 +34,7 @@ from pathlib import Path
 import attrs
 
 from paramfsm.engine.effects.paging import Pager
+from paramfsm.engine.schedule.grad_paging import GradPaging
 from paramfsm.engine.schedule.residency import Paged, Residency
 from paramfsm.engine.storage.tiers import DiskTier, HostTier
 from paramfsm.errors import ArgumentError, ArgumentTypeError
@@ -45,9 +46,10 @@ TIERS = (None, "cpu", "disk")
 class Offload:
     """Where a unit's shards and optimizer state live (see the module docstring).
 
-    ``params``, ``optimizer``: None (working memory), ``"cpu"`` (host memory)
-    or ``"disk"`` (a file per rank under ``path``). ``grads``: only None for
-    now (shard gradients stay in working memory). ``path``: the folder for
+    ``params``, ``grads``, ``optimizer``: None (working memory), ``"cpu"``
+    (host memory) or ``"disk"`` (a file per rank under ``path``) for the
+    parameter shards, their gradients (paged out once reduced, paged in to
+    accumulate into and for the step) and their optimizer state. ``path``: the folder for
     ``"disk"`` (required then; created if missing). ``max_resident_bytes``:
     the most bytes of offloaded values in working memory at once, at least one
     unit's (None: only the values in use and one unit paged in ahead).
@@ -68,11 +70,7 @@ class Offload:
             value = getattr(self, name)
             if value not in TIERS:
                 raise ArgumentError(f"Offload({name}={value!r}): expected None, 'cpu' or 'disk'")
-        if self.grads is not None:
-            raise ArgumentError(
-                f"Offload(grads={self.grads!r}): shard gradients cannot be offloaded yet; they stay in working "
-                "memory (1/world of the gradients). What to do: leave grads=None; offload params and optimizer.")
-        if "disk" in (self.params, self.optimizer) and self.path is None:
+        if "disk" in (self.params, self.optimizer, self.grads) and self.path is None:
             raise ArgumentError("Offload(...='disk') needs path=: the folder for this run's offload files "
                                 "(one per rank, removed by rt.close())")
         if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
@@ -89,9 +87,10 @@ class Offload:
 class OffloadPlan:
     """What one runtime offloads: the residency component, the tiers and which units offload what."""
 
-    def __init__(self, residency: Residency, pagers: dict, optimizer_units: dict):
+    def __init__(self, residency: Residency, pagers: dict, optimizer_units: dict, grads: GradPaging | None):
         self.residency, self.pagers = residency, pagers
         self.optimizer_units = optimizer_units  # unit name -> Pager of its optimizer state
+        self.grads = grads  # the shard gradients' paging (None: no unit offloads its gradients)
 
     def memory(self) -> dict[str, int]:
         """Bytes each tier holds, and the bytes of offloaded values now in working memory."""
@@ -155,23 +154,30 @@ def plan(rt, offload) -> OffloadPlan | None:
 
 def _build(rt, per_unit, residency, pagers, pager, bound) -> OffloadPlan:
     index = rt._index
+    grad_pagers: dict = {}
     for unit in rt.units:
         o = per_unit[unit.name]
-        if o is None or o.params is None:
+        if o is None or (o.params is None and o.grads is None):
+            continue
+        _check_bound(bound, unit)
+        if o.grads is not None:
+            for rec in unit.records:
+                grad_pagers.setdefault(rec, pager(o.grads, o, rec.name))
+        if o.params is None:
             continue
         if rt.world == 1:
             raise ArgumentError(
                 f"offload params={o.params!r} for unit '{unit.name}': on one rank a parameter is a view of its "
                 "shard, so the shard cannot leave working memory. What to do: offload the optimizer state "
                 "(Offload(optimizer=...)), or shard over two or more ranks.")
-        _check_bound(bound, unit)
         for rec in unit.records:
             if rec in residency.shards:
                 continue
             residency.shards[rec] = Paged(rec.name, unit.name, "shard", _shard_values(rec, index[id(rec)]),
                                           pager(o.params, o, rec.name), index[id(rec)])
     optimizer_units = _optimizer_units(rt.units, per_unit, pager)
-    result = OffloadPlan(residency, pagers, optimizer_units)
+    grads = GradPaging(residency, grad_pagers, index) if grad_pagers else None
+    result = OffloadPlan(residency, pagers, optimizer_units, grads)
     for p in list(residency.shards.values()):
         residency.add(p)
     return result

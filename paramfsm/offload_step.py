@@ -4,7 +4,7 @@ An optimizer built over ``model.parameters()`` steps every shard in one
 ``step()`` call, which would need every offloaded shard and state tensor
 resident at once. :func:`step_by_unit` runs from the optimizer step pre-hook
 (:mod:`paramfsm.optim`) instead: for each unit in order it pages in the unit's
-shards and optimizer state, runs the optimizer's own ``step()`` over only
+shards, their gradients and optimizer state, runs the optimizer's own ``step()`` over only
 those shards, marks them changed and releases them (the resident set is then
 trimmed, which writes them back to their tier). Shards that are not offloaded
 are stepped last, together. The call the user made then steps nothing.
@@ -80,6 +80,8 @@ def _step_runtime(optimizer, scheduler, records, saved, stepped: set) -> None:
     plan = scheduler.offload_plan
     residency = plan.residency
     residency.settle()
+    if plan.grads is not None:
+        plan.grads.prune()
     wanted = set(records)
     index = {id(rec): i for i, rec in enumerate(scheduler.records)}
     seen: set = set()
@@ -90,13 +92,17 @@ def _step_runtime(optimizer, scheduler, records, saved, stepped: set) -> None:
         seen.update(recs)
         before = [residency.shards.get(rec) for rec in recs]
         before += [optimizer_placement(plan, optimizer, rec, unit.name, index[id(rec)]) for rec in recs]
-        residency.need(before)
-        residency.read(before)
+        grads = plan.grads.of(recs) if plan.grads is not None else []
+        residency.need(before + grads)
+        residency.read(before + grads)
+        versions = [rec.shard.grad._version for rec in recs] if grads else []
         try:
             _step_only(optimizer, saved, {id(rec.shard) for rec in recs})
             residency.written(before)
+            # A step reads gradients; one that changed a gradient in place has it written back too.
+            residency.written([p for p, rec, v in zip(grads, recs, versions) if rec.shard.grad._version != v])
         finally:
-            residency.release(before)
+            residency.release(before + grads)
         for rec in recs:  # state the step created (its first) gets its placement now
             optimizer_placement(plan, optimizer, rec, unit.name, index[id(rec)])
         stepped.update(id(rec.shard) for rec in recs)

@@ -76,9 +76,9 @@ def _plain(accumulate=1, clip=None):
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def compare_job(rank, world, folder, params, optimizer, ratio, accumulate, clip, per_unit):
+def compare_job(rank, world, folder, params, optimizer, ratio, accumulate, clip, per_unit, grads=None):
     base = _train(rank, world, None, accumulate=accumulate, clip=clip)[0]
-    offload = paramfsm.Offload(params=params, optimizer=optimizer, path=folder, ratio=ratio)
+    offload = paramfsm.Offload(params=params, optimizer=optimizer, grads=grads, path=folder, ratio=ratio)
     if per_unit:
         offload_all = offload
         offload = lambda name, module: offload_all if name.endswith(("0", "2")) else None  # noqa: E731
@@ -95,15 +95,22 @@ CASES = {
     "optimizer-ratio": (None, "disk", 0.5, 1, None, False),
     "per-unit": ("disk", "disk", 1.0, 1, None, True),
     "no-sync-and-clip": ("disk", "disk", 1.0, 2, 0.05, False),
+    "grads-disk": (None, None, 1.0, 1, None, False, "disk"),
+    "grads-cpu": (None, None, 1.0, 1, None, False, "cpu"),
+    "all-disk": ("disk", "disk", 1.0, 1, None, False, "disk"),
+    "all-cpu": ("cpu", "cpu", 1.0, 1, None, False, "cpu"),
+    "all-disk-per-unit": ("disk", "disk", 1.0, 1, None, True, "disk"),
+    "all-disk-no-sync-and-clip": ("disk", "disk", 1.0, 2, 0.05, False, "disk"),
+    "grads-and-optimizer-ratio": (None, "disk", 0.5, 1, None, False, "disk"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_offload_trains_bit_identically_to_no_offload_and_like_plain_torch(ranks2, tmp_path, case):
-    params, optimizer, ratio, accumulate, clip, per_unit = CASES[case]
+    params, optimizer, ratio, accumulate, clip, per_unit, grads = (*CASES[case], None)[:7]
     plain = _plain(accumulate, clip)
     for rank, (base, full, machines, traffic, files, after) in enumerate(ranks2.run(
-            compare_job, str(tmp_path), params, optimizer, ratio, accumulate, clip, per_unit)):
+            compare_job, str(tmp_path), params, optimizer, ratio, accumulate, clip, per_unit, grads)):
         for name, value in base.items():
             assert torch.equal(full[name], value), (case, rank, name)
             # Accumulated micro-batches sum in another order than one whole batch; Adam's division by
@@ -114,11 +121,11 @@ def test_offload_trains_bit_identically_to_no_offload_and_like_plain_torch(ranks
         assert traffic["written"] > 0
         tiers = traffic["memory"]
         for where in ("cpu", "disk"):
-            assert (tiers[f"tier_{where}"] > 0) == (where in (params, optimizer)), (where, tiers)
+            assert (tiers[f"tier_{where}"] > 0) == (where in (params, optimizer, grads)), (where, tiers)
         # With no bound on the resident set, every shard is paged out after the step; rt.memory() counts
         # resident shards only.
         assert (tiers["shards"] == 0) == (params is not None and not per_unit), (case, tiers)
-        if "disk" in (params, optimizer):
+        if "disk" in (params, optimizer, grads):
             assert len([f for f in files if f.startswith(f"paramfsm-offload-rank{rank}")]) == 1
         assert after == []
 

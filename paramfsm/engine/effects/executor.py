@@ -86,6 +86,9 @@ class Executor(Gathers):
         self._share_agreement(forget=True)  # a new runtime starts a new sequence of collectives
         self.ctx = None
         self.unit_names: tuple[str, ...] = ()
+        # Offloaded shard gradients (paramfsm.engine.schedule.grad_paging), told before and after reduced
+        # gradients are added into them; None: no gradient is offloaded.
+        self.grad_paging = None
 
     @property
     def rank_check(self) -> str | None:
@@ -201,7 +204,7 @@ class Executor(Gathers):
         """Add one full gradient to the pending reduce bucket (``owned``: referenced nowhere else;
         ``had``: for gradients staged in unit order, whether this rank produced it)."""
         if self.local:
-            self._accumulate(rec, grad.reshape(-1))
+            self._accumulate_all(((rec, grad.reshape(-1)),))
             return
         size = grad.numel() * grad.element_size()
         if had is not None:  # its flag rides in its bucket: [Note: a gradient no rank produced stays None]
@@ -309,8 +312,7 @@ class Executor(Gathers):
     def _complete(self, reduce) -> None:
         ticket, records, layout = reduce
         out = self._join_reduce(ticket, records)
-        for rec, piece in grad_flags.without_unproduced(records, out.split(layout.shard_numels)):
-            self._accumulate(rec, piece)
+        self._accumulate_all(tuple(grad_flags.without_unproduced(records, out.split(layout.shard_numels))))
 
     def abort_reduces(self) -> None:
         """Drop the gradients of an interrupted backward: nothing of it reaches the shard gradients.
@@ -329,6 +331,22 @@ class Executor(Gathers):
             except (RankDesync, rankcheck.Dropped):
                 pass  # it never moved: the ranks desynced, and whatever interrupted the backward says so
         self.unsynced.interrupted()
+
+    def _accumulate_all(self, pieces) -> None:
+        """:meth:`_accumulate` each (record, reduced shard) pair; offloaded shard gradients are paged in
+        first and written (paged out, without a bound) after (paramfsm.engine.schedule.grad_paging)."""
+        paging = self.grad_paging
+        if paging is None:
+            for rec, piece in pieces:
+                self._accumulate(rec, piece)
+            return
+        records = [rec for rec, _ in pieces]
+        paging.opening(records)
+        try:
+            for rec, piece in pieces:
+                self._accumulate(rec, piece)
+        finally:
+            paging.closing(records)  # a write-back too many is safe; a lost one is not
 
     @staticmethod
     def _accumulate(rec, flat_grad) -> None:

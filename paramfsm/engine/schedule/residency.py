@@ -1,7 +1,7 @@
 """Where offloaded values live, step by step: the schedule's side of the residency machine.
 
-Every offloaded value has a :class:`Paged` placement (one per parameter shard
-and one per parameter's optimizer state) that the residency machine
+Every offloaded value has a :class:`Paged` placement (one per parameter shard,
+one per shard gradient and one per parameter's optimizer state) that the residency machine
 (``[residency]`` in the spec) moves between DIRTY, RESIDENT, PAGING_IN and
 PAGED_OUT. This component decides when: it steps the placements and hands
 their effects to the tier's :class:`~paramfsm.engine.effects.paging.Pager`.
@@ -62,6 +62,7 @@ class Residency:
         self.bound = max_resident_bytes or 0
         self.shards: dict = {}  # record -> Paged (its shard)
         self.optim: dict = {}  # (id(optimizer), record) -> Paged (its optimizer state)
+        self.grads: dict = {}  # record -> Paged (its shard gradient; kept by paramfsm.engine.schedule.grad_paging)
         self._in_use: dict = {}  # Paged -> how many users
         self._cached: OrderedDict = OrderedDict()  # released and resident, least recently used first
         self._ahead: set = set()  # paged in ahead of use, not used yet
@@ -255,7 +256,7 @@ class Residency:
         Every value is tried even when one fails (a stale tier copy, a read error), so the others are
         handed back; the first failure is then raised, unless ``strict`` is False (detach after a failure,
         where the runtime's state may already be inconsistent and nothing may raise)."""
-        placements = list(itertools.chain(self.shards.values(), self.optim.values()))
+        placements = list(itertools.chain(self.shards.values(), self.grads.values(), self.optim.values()))
         first = None
         for p in placements:
             try:

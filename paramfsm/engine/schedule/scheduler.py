@@ -124,6 +124,7 @@ class Scheduler:
     def attach_offload(self, plan) -> None:
         """Drive the residency of ``plan``'s offloaded values from now on (``paramfsm.shard(offload=...)``)."""
         self.offload_plan, self.residency = plan, plan.residency
+        self.executor.grad_paging = plan.grads
         self._effects = self._effect_runners()
 
     # ------------------------------------------------------------------ queue
