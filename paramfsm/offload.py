@@ -235,7 +235,7 @@ def optimizer_placement(plan_: OffloadPlan, optimizer, rec, unit_name: str, inde
     if p is not None and residency.tracks(p):
         return p
     if p is not None:  # its tensors were replaced (optimizer.load_state_dict): the old tier copy is stale
-        residency.forget([p])
+        residency.renew([p])
         del residency.optim[key]
     if unit_name not in plan_.optimizer_units:
         return None

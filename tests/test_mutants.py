@@ -18,12 +18,14 @@ from paramfsm.engine.events import events, graph_task, hooks
 from paramfsm.engine.events.higher_order import SecondOrderEntry
 from paramfsm.engine.schedule.backward import GraphTasks
 from paramfsm.engine.schedule.deferral import Deferral
+from paramfsm.engine.schedule.grad_paging import GradPaging
 from paramfsm.engine.schedule.grad_order import GradRouting
 from paramfsm.engine.schedule.on_demand import OnDemand
 from paramfsm.engine.schedule.prefetch import Prefetch
 from paramfsm.engine.schedule.residency import Residency
 from paramfsm.engine.schedule.scheduler import Scheduler
 from paramfsm.engine.schedule.shard_writes import ShardWrites
+from paramfsm.engine.storage.tiers import DiskTier
 from paramfsm.testing.mutants import format_table, main, run_catalogue, trace_check
 from paramfsm.verify import faults
 from paramfsm.verify.engine import examples_from_env
@@ -54,7 +56,8 @@ def _patchable():
             executor.reduce_scatter_flat, dict(vars(amp.GradScaler)), grad_norm.clip_grad_norm_,
             checkpoint_layout.valid_range, vars(SecondOrderEntry)["backward"], full_state.load_full_state_dict,
             replay.replay, Trace._snapshot, dict(vars(UnsyncedGrads)), dict(vars(ShardWrites)),
-            gathered._write_back, _methods(Residency), _methods(Pager), optim._after_closure)
+            gathered._write_back, _methods(Residency), _methods(Pager), optim._after_closure,
+            _methods(GradPaging), dict(vars(DiskTier)))
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))

@@ -26,7 +26,7 @@ from paramfsm.core.trace import Trace
 from paramfsm.errors import IllegalTransition, SpecError
 
 SHIPPED = tomllib.loads(DEFAULT_SPEC.read_text(encoding="utf-8"))
-EVENTS = ("page_in", "need", "read", "write", "write_back", "page_out")
+EVENTS = ("page_in", "need", "read", "write", "write_back", "page_out", "renew")
 
 
 def residency_raw(edit=None) -> dict:
@@ -132,7 +132,7 @@ def test_no_value_is_read_stale_and_no_write_is_lost(events):
         copies.run(effects)
         if event == "need":
             assert copies.working == copies.latest  # resident, and never an older copy
-        if event == "write":
+        if event in ("write", "renew"):  # renew: a new value, only in working memory
             copies.latest += 1
             copies.working = copies.latest
         if p.state is Residency.RESIDENT:

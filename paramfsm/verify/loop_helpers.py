@@ -75,8 +75,65 @@ def offload_policy(subject, config, world: int):
     if config.offload is None:
         return None, None
     folder = tempfile.mkdtemp(prefix="paramfsm-verify-offload-") if config.offload == "disk" else None
-    return Offload(params=config.offload if world > 1 else None, optimizer=config.offload,
-                            path=folder), folder
+    return Offload(params=config.offload if world > 1 else None, optimizer=config.offload, grads=config.offload,
+                   path=folder), folder
+
+
+class AnotherRun:
+    """A second training run on this machine whose tier shares the program's offload folder (:func:`another_run`).
+
+    :meth:`step` trains it one more step (after each of the program's optimizer steps, when the program's
+    runtime has just written its tier); :meth:`close` ends it. Without a disk tier both do nothing."""
+
+    def __init__(self, model=None, rt=None, groups=()):
+        self.model, self.rt, self.groups = model, rt, groups
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if model is not None else None
+        self.steps = 0
+
+    def step(self) -> None:
+        if self.rt is None:
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.steps)
+            self.model(torch.randn(4, 16)).pow(2).mean().backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.steps += 1
+
+    def close(self) -> None:
+        if self.rt is None:
+            return
+        self.rt.close()
+        self.rt = None
+        for group in self.groups:
+            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
+
+
+def another_run(offload, rank: int, world: int) -> AnotherRun:
+    """A second run in the folder of ``offload``'s disk tier, trained one step now (a no-op run without one).
+
+    Two runs on one machine may be pointed at one folder; each must keep to its own file (see [Note: one
+    file per rank and run] in paramfsm.engine.storage.tiers). This one is a small model on a process group
+    of this rank alone (so it issues no collective the program's ranks would have to pair), with its
+    gradients and optimizer state on disk in the same folder. It trains after each of the program's
+    optimizer steps (:meth:`AnotherRun.step`), so it writes its tier after the program's runtime has written
+    its own: a run that reused the other's file would read values it never wrote. The global random state
+    is left as it was.
+    """
+    if not isinstance(offload, Offload) or offload.path is None:
+        return AnotherRun()
+    import paramfsm
+
+    groups = [dist.new_group([r]) for r in range(world)]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234 + rank)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    rt = paramfsm.shard(model, group=groups[rank], trace=0,
+                        offload=Offload(optimizer="disk", grads="disk", path=offload.path))
+    run = AnotherRun(model, rt, groups)
+    run.step()
+    return run
 
 
 def default_blocks(model: nn.Module) -> tuple[str, ...]:

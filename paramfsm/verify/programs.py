@@ -321,10 +321,13 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
                 ("forward", 0, 2, False), ("backward", 0, 2, True), ("save_restore", 0, 0, True),
                 ("save_restore", 1, 0, False), ("iteration", 0, 3, False), ("save_restore", 1, 0, True),
                 ("iteration", 2, 1, True))),
-    # Offload to disk: shards and optimizer state paged in for each gather and each unit's step, out after it.
-    # An iteration, two losses over a retained graph and a step, an in-place write inside rt.gathered, a DCP
-    # round trip with the optimizer state, a GAN iteration (one optimizer per part), and an iteration.
-    (Config(offload="disk"), (("iteration", 0, 0, False), ("multi_loss", 0, 0, False), ("step", 0, 0, False),
+    # Offload to disk: shards, their gradients and optimizer state paged in for each gather, accumulation and
+    # unit's step, out after it, beside another run sharing the folder. An iteration, two micro-batches adding
+    # into the paged-out gradients, two losses over a retained graph and a step, an in-place write inside
+    # rt.gathered, a DCP round trip with the optimizer state, a GAN iteration (one optimizer per part), and an
+    # iteration.
+    (Config(offload="disk"), (("iteration", 0, 0, False), ("accumulate", 0, 1, False),
+                              ("multi_loss", 0, 0, False), ("step", 0, 0, False),
                               ("gathered_write", 0, 1, True), ("save_restore", 0, 0, False),
                               ("iteration", 1, 1, False), ("gan", 0, 1, True), ("iteration", 2, 2, False))),
     # A loss that reads another output on each rank (each rank's backward differentiates its own): rank 0's

@@ -65,8 +65,9 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
     helpers = sorted({"perturbed" for op in program.ops if isinstance(op, (FullState, Checkpoint))}
                      | {"force_overflow" for op in program.ops if isinstance(op, Overflow)}
                      | {"reentrant_blocks" for op in program.ops if getattr(op, "mode", "") == "reentrant"}
-                     | ({"offload_policy"} if offload or program.config.offload else set()))
+                     | ({"another_run", "offload_policy"} if offload or program.config.offload else set()))
     scaled = program.config.scaled
+    tiered = bool(offload or program.config.offload)
     quoted = message.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
     ranks = str(world) if world else "WORLD"
     lines = [
@@ -110,9 +111,12 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         f"    config = {program.config!r}",
         f"    check = Checker(subject, config, seed={seed}, per_rank={per_rank}"
         f"{', reference=reference' if meta else ''})  # plain torch, verify's checks",
+        *(["    offload = offload_policy(subject, config, world)[0]"] if tiered else []),
         *_shard_lines(program, meta, offload),
         *([f"    initialise(rt, subject, {seed})  # rt.init_weights(subject.init) after torch.manual_seed"]
           if meta else []),
+        *(["    neighbour = another_run(offload, rank, world)  # a second run sharing a disk tier's folder"]
+          if tiered else []),
         *([f"    scaler = paramfsm.amp.GradScaler(rt, {', '.join(f'{k}={v!r}' for k, v in SCALER.items())})"]
           if scaled else []),
         f"    check.attach(rt{', scaler' if scaled else ''})",
@@ -137,8 +141,11 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
             body[mark] += "  # <- fails here"
         lines.append(f"    with check({op!r}):")
         lines += [INDENT * 2 + line for line in body]
+        if tiered and isinstance(op, Step):
+            lines.append("    neighbour.step()  # the other run in the offload folder trains too")
     lines += [
         "    check.finish()",
+        *(["    neighbour.close()"] if tiered else []),
         "",
         "",
         'if __name__ == "__main__":',
@@ -149,8 +156,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
 
 def _shard_lines(program: Program, meta: bool = False, offload: bool = False) -> list[str]:
     c = program.config
-    tier = (",\n                        offload=offload_policy(subject, config, world)[0]"
-            if offload or c.offload else "")
+    tier = ",\n                        offload=offload" if offload or c.offload else ""
     dtype = (f", param_dtype=torch.{c.param_dtype}, reduce_dtype=torch.float32" if c.param_dtype else "")
     device = ", device=next(reference.parameters()).device" if meta else ""
     kept = c.reshard_after_forward

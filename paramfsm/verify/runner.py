@@ -74,7 +74,7 @@ from paramfsm.verify.ops import (
 )
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
-    SCALER, compute_dtype, force_overflow, offload_policy, perturbed, reentrant_blocks, reshard_policy,
+    SCALER, another_run, compute_dtype, force_overflow, offload_policy, perturbed, reentrant_blocks, reshard_policy,
 )
 
 
@@ -127,6 +127,7 @@ class Run:
                                  reshard_after_forward=reshard_policy(c), offload=self.offload,
                                  device=next(reference.parameters()).device if reference is not None else None)
         initialise(self.rt, subject, options.seed)
+        self.neighbour = another_run(self.offload, rank, world)  # a second run sharing a disk tier's folder
         self.scaler = paramfsm.amp.GradScaler(self.rt, **SCALER) if c.scaled else None
         self.check.attach(self.rt, self.scaler)
         self.opts = user_loops.optimizers(subject, self.model, self.rt.shard_parameters())
@@ -286,6 +287,8 @@ class Run:
             for op in self.program.ops:
                 with self.check(op):
                     self._apply(op)
+                if isinstance(op, Step):
+                    self.neighbour.step()  # the other run in the offload folder trains too
             counters = self.rt.counters
             self.check.finish()
         except Rejected as exc:
@@ -313,10 +316,12 @@ def run_program(rank: int, world: int, factory, program: Program, options: Optio
             if agree(group, int(outcome is not None)):
                 if run is not None:
                     run.rt.detach()
+                    run.neighbour.close()
                 return outcome or Outcome(True, None, "peer", "another rank failed")
             try:
                 return run.execute()
             finally:
+                run.neighbour.close()
                 if run.folder is not None:  # a disk tier's folder (its files went with rt.close())
                     shutil.rmtree(run.folder, ignore_errors=True)
     finally:

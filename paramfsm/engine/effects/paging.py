@@ -93,6 +93,19 @@ class Pager:
                 self.tier.write(slot, value.contiguous(), p.version, p.name)
                 self.bytes_written += slot.nbytes
 
+    def peek(self, p, key, tensor) -> torch.Tensor:
+        """A copy of ``tensor``'s tier copy in host memory, read now (see ``Residency.peek``); no effect."""
+        slot = self.tier.slots[key]
+        if slot.version != p.version:
+            raise StaleOffloadCopy(
+                f"the {p.kind} of parameter '{p.name}' (unit '{p.unit}', rank {self.rank}) is paged out, and its "
+                f"tier copy (version {slot.version}) is older than its value (version {p.version}): a write-back "
+                "was lost. What to do: this is a bug in paramfsm's offload schedule; report it with the trace dump.")
+        with _normal_tensors():
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            self.tier.read(slot, buffer, p.name)
+        return buffer.to(tensor.device)
+
     def drop_resident(self, placements) -> None:
         for p in placements:
             for _, tensor in p.values():

@@ -25,9 +25,11 @@ tensor; neither passes through paramfsm. So a gradient's placement is bound
 to the tensor it was made for: its values are that tensor only while it is
 still ``shard.grad``, and none afterwards, so a placement left behind can
 neither read its old tier copy into a new gradient nor write a new gradient
-over it. Such placements are forgotten (:meth:`GradPaging.prune`) before the
-next accumulation or step, and the next gradient gets a placement of its own,
-with a new version, in the same tier slot.
+over it. Such placements are renewed (the residency machine's ``renew``: the
+tier copy is of the old value) and forgotten before the next accumulation or
+step (:meth:`GradPaging.prune`), and the next gradient gets a placement of its
+own, starting where ``renew`` left the value's trace (DIRTY), with a new
+version, in the same tier slot.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class GradPaging:
                 written.append(p)
                 continue
             if p is not None:
-                residency.forget([p])
+                residency.renew([p])
             placed[rec] = self._place(rec)
         residency.written(written)
         residency.release(written)
@@ -83,7 +85,7 @@ class GradPaging:
         """Forget placements whose gradient is gone (see [Note: a placement follows one gradient tensor])."""
         stale = [rec for rec, p in self.placed.items() if not self._tracks(p, rec)]
         if stale:
-            self.residency.forget([self.placed.pop(rec) for rec in stale])
+            self.residency.renew([self.placed.pop(rec) for rec in stale])
 
     # ------------------------------------------------------------------ placements
     def _current(self, rec):
@@ -92,7 +94,7 @@ class GradPaging:
             return None
         if self._tracks(p, rec):
             return p
-        self.residency.forget([self.placed.pop(rec)])
+        self.residency.renew([self.placed.pop(rec)])
         return None
 
     @staticmethod

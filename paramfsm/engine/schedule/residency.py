@@ -90,8 +90,16 @@ class Residency:
         """Whether every tensor ``p`` stands for now is one this residency placed (none was replaced)."""
         return all(self._by_tensor.get(tensor) is p for _, tensor in p.values())
 
+    def renew(self, placements) -> None:
+        """The values of ``placements`` were replaced by new tensors outside the schedule (``zero_grad``, an
+        optimizer load): each is stepped to DIRTY (its tier copy is of the old value) and no longer tracked;
+        the new tensor gets a placement of its own, which starts there."""
+        for p in placements:
+            self._run(p, "renew")
+        self.forget(placements)
+
     def forget(self, placements) -> None:
-        """Stop tracking ``placements`` (their values were replaced, e.g. by an optimizer load)."""
+        """Stop tracking ``placements`` (closing: their values go back to the model)."""
         for p in placements:
             self._cached.pop(p, None)
             self._in_use.pop(p, None)
@@ -100,6 +108,20 @@ class Residency:
     @property
     def resident_bytes(self) -> int:
         return sum(p.nbytes for p in itertools.chain(self._in_use, self._cached, self._ahead))
+
+    def peek(self, tensor):
+        """What ``tensor`` holds as its next use would see it, paging nothing and stepping nothing: the working
+        copy when resident, else a copy of its tier copy (:class:`~paramfsm.errors.StaleOffloadCopy` when that
+        copy is older than the value, as the page-in would raise). For observers that must not disturb the
+        schedule (verify's checks): an on-demand page-in would count the value as written and hide a lost
+        write-back."""
+        if not paged.is_paged_out(tensor):
+            return tensor
+        p = self._by_tensor.get(tensor)
+        key = next((key for key, value in p.values() if value is tensor), None) if p is not None else None
+        if key is None:
+            return tensor  # not ours: reading it raises NotResident, as any reader's would
+        return p.pager.peek(p, key, tensor)
 
     # ------------------------------------------------------------------ use
     def need(self, placements, *, ahead: bool = True) -> None:

@@ -1,4 +1,5 @@
-"""Catalogued bugs of offload: a page-in skipped, a write-back lost, a tier copy read after a step.
+"""Catalogued bugs of offload: a page-in skipped, a write-back lost, a tier copy read after a step, an
+accumulated gradient dropped unwritten, a disk file shared with another run.
 
 Each function returns a context manager that patches one function of the
 residency schedule or the pager for the duration of the block (see
@@ -7,13 +8,21 @@ through its canonical offload program (``Config(offload="disk")``): the first
 two as the named errors the residency machine and the pager raise (an illegal
 ``read`` of a PAGED_OUT shard, :class:`~paramfsm.errors.StaleOffloadCopy`), the
 third, which no check inside the runtime can see, through the reference
-comparison of the parameters after the next step.
+comparison of the parameters after the next step. The fourth and fifth also
+pass every check inside the runtime: the program's micro-batches added into
+paged-out gradients, and a second run sharing the disk tier's folder
+(:func:`paramfsm.verify.loop_helpers.another_run`), make the next step or
+gather differ from plain torch.
 """
 
 from __future__ import annotations
 
+import os
+
 from paramfsm.engine.effects.paging import Pager
+from paramfsm.engine.schedule.grad_paging import GradPaging
 from paramfsm.engine.schedule.residency import Residency
+from paramfsm.engine.storage import tiers
 from paramfsm.verify.faults.patching import patched
 
 
@@ -50,6 +59,33 @@ def tier_read_after_step():
     return patched(Residency, "written", make)
 
 
+def grad_accumulation_unwritten():
+    """A gradient added into a paged-in shard gradient is released without being marked written."""
+    def make(original):
+        def closing(self, records):
+            stale = self.residency.written
+            self.residency.written = lambda placements: None  # the bug: the accumulation is not a write
+            try:
+                original(self, records)
+            finally:
+                self.residency.written = stale
+        return closing
+    return patched(GradPaging, "closing", make)
+
+
+def tier_file_shared():
+    """The disk tier names its file by rank alone and opens it without O_EXCL: two runs share one file."""
+    def make(original):
+        def __init__(self, folder, rank, first_owner="<none>"):
+            original(self, folder, rank, first_owner)
+            os.close(self.fd)
+            self.path.unlink()
+            self.path = self.folder / f"paramfsm-offload-rank{rank}.bin"  # the bug: no run of its own
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        return __init__
+    return patched(tiers.DiskTier, "__init__", make)
+
+
 #: The entries, as the fields of :class:`~paramfsm.verify.faults.catalogue.Fault` (name, bug, source, kind,
 #: inject); the catalogue lists them after its own.
 OFFLOAD = (
@@ -71,4 +107,18 @@ OFFLOAD = (
      "paramfsm #36 (planted in the offload schedule); the closest elsewhere is FSDP2's CPUOffloadPolicy, "
      "where the host copy is the one the optimizer steps",
      "correctness", tier_read_after_step),
+    ("grad_accumulation_unwritten",
+     "a micro-batch's gradient added into an offloaded shard gradient is not recorded as a write, so the "
+     "gradient is dropped as if its tier copy were current and the step reads the earlier micro-batches only",
+     "paramfsm #36 (planted in the gradient offload); the closest elsewhere is ZeRO-Offload's gradient "
+     "accumulation into host buffers across micro-batches (microsoft/DeepSpeed offload_optimizer with "
+     "gradient_accumulation_steps)",
+     "correctness", grad_accumulation_unwritten),
+    ("tier_file_shared",
+     "the disk tier's file is named by rank alone and opened without O_EXCL, so a second run pointed at the "
+     "same folder writes its values over this run's tier copies",
+     "paramfsm #36 (planted in the disk tier); the closest elsewhere is ZeRO-Infinity's swap folder, whose "
+     "files are named by rank and parameter, so two jobs given one nvme_path overwrite each other's swap "
+     "files (microsoft/DeepSpeed offload_param to nvme)",
+     "correctness", tier_file_shared),
 )
