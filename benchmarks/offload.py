@@ -8,8 +8,9 @@ Two models, each sharded over 2 gloo ranks and trained with AdamW:
   AdamW state come to 2 GiB per rank).
 
 Rows: no offload; the optimizer state offloaded to disk; parameters and
-optimizer state offloaded to disk (``max_resident_bytes=None``: only the values
-in use and one unit paged in ahead are resident). Columns, per rank 0:
+optimizer state offloaded to disk; parameters, their gradients and optimizer
+state offloaded to disk (``max_resident_bytes=None``: only the values in use
+and one unit paged in ahead are resident). Columns, per rank 0:
 
 * **step**: median seconds of the measured steps (forward, backward,
   ``opt.step()``, ``zero_grad``), after one unmeasured step;
@@ -23,6 +24,11 @@ in use and one unit paged in ahead are resident). Columns, per rank 0:
   code and libraries, never the page cache of the offload file), reset
   (``/proc/self/clear_refs``) before the measured steps: the anonymous memory
   the run holds at its peak, in MiB;
+* **above process**: the largest, over the ranks, of that peak minus the
+  process's anonymous memory (``RssAnon``) before the model was built (torch,
+  gloo and paramfsm themselves);
+* **bar**: the bound of issue #36 on that figure: ``max_resident_bytes`` (None
+  here: 0) + 2 units (one ``Linear`` each, its full fp32 parameters) + 64 MiB;
 * **vs none**: step time over the row without offload of the same model.
 
     python benchmarks/offload.py [--steps 3] [--models stack big] [--folder DIR]
@@ -48,7 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import _reset_peak, _status_kib  # noqa: E402 - the same peak measurement as memory.py
 
 MODELS = {"stack": (16, 1024), "big": (16, 4096)}
-ROWS = {"none": None, "optimizer disk": (None, "disk"), "params + optimizer disk": ("disk", "disk")}
+#: Row -> (params, optimizer, grads) tiers (None: no offload).
+ROWS = {"none": None, "optimizer disk": (None, "disk", None), "params + optimizer disk": ("disk", "disk", None),
+        "params + grads + optimizer disk": ("disk", "disk", "disk")}
 MIB = 1 << 20
 
 
@@ -66,10 +74,12 @@ def step_job(rank, world, model_name, row, folder, steps):
     import paramfsm
 
     depth, width = MODELS[model_name]
+    process = _status_kib("RssAnon") / 1024  # the process before the model: torch, gloo, paramfsm
     torch.manual_seed(0)
     model = _build(depth, width)
     tiers = ROWS[row]
-    offload = None if tiers is None else paramfsm.Offload(params=tiers[0], optimizer=tiers[1], path=folder)
+    offload = None if tiers is None else paramfsm.Offload(params=tiers[0], optimizer=tiers[1], grads=tiers[2],
+                                                          path=folder)
     rt = paramfsm.shard(model, device="cpu", offload=offload)
     rt.init_weights()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -94,7 +104,7 @@ def step_job(rank, world, model_name, row, folder, steps):
     traffic = {k: (after[k] - before[k]) / steps for k in after}
     dist.barrier()
     rt.close()
-    return times, traffic, peak
+    return times, traffic, peak, process
 
 
 def bandwidth(folder: str, nbytes: int = 1 << 30) -> float:
@@ -125,21 +135,30 @@ def main() -> None:
     speed = bandwidth(folder)
     print(f"sequential bandwidth of {folder}: {speed / MIB:.0f} MiB/s (buffered write + read)", flush=True)
     print(f"{'model':6} {'row':24} {'step s':>8} {'read MiB':>9} {'written MiB':>11} {'floor s':>8} "
-          f"{'x floor':>8} {'peak anon MiB':>14} {'vs none':>8}")
+          f"{'x floor':>8} {'peak anon MiB':>14} {'above process':>14} {'bar MiB':>8} {'vs none':>8}")
     for model_name in args.models:
         base = None
         for row in ROWS:
             with RankPool(2, timeout=1800) as pool:
                 results = pool.run(step_job, model_name, row, folder, args.steps)
-            times, traffic, _ = results[0]
+            times, traffic, *_ = results[0]
             step = statistics.median(times)
             peak = max(r[2] for r in results)
+            above = max(r[2] - r[3] for r in results)
             moved = traffic["read"] + traffic["written"]
             floor = moved / speed
             base = step if row == "none" else base
             print(f"{model_name:6} {row:24} {step:8.3f} {traffic['read'] / MIB:9.0f} "
                   f"{traffic['written'] / MIB:11.0f} {floor:8.3f} "
-                  f"{(step / floor if floor else float('nan')):8.2f} {peak:14.0f} {step / base:8.2f}", flush=True)
+                  f"{(step / floor if floor else float('nan')):8.2f} {peak:14.0f} {above:14.0f} "
+                  f"{_bar(model_name):8.0f} {step / base:8.2f}", flush=True)
+
+
+def _bar(model_name: str) -> float:
+    """The issue's bound on peak anonymous memory above the process, in MiB: max_resident_bytes (None: 0) +
+    2 units (a unit's full fp32 parameter) + 64 MiB."""
+    _, width = MODELS[model_name]
+    return 2 * (width * width + width) * 4 / MIB + 64
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch
 from paramfsm.core.replay import replay
 from paramfsm.core.spec import State
 from paramfsm.engine.storage.placeholder import storage
+from paramfsm.errors import StaleOffloadCopy
 
 
 def _data_empty(rec) -> str | None:
@@ -172,13 +173,17 @@ def matches_reference(rt, ref_params: Mapping, ref_grads: Mapping, rank: int, wo
     problems = []
     observe = _observer(rt)
     for rec in records(rt):
-        diff = close(observe(rec.shard).detach(), shard_slice(ref_params[rec.name], rec, rank, world), atol, rtol)
+        try:
+            shard, grad = observe(rec.shard), rec.shard.grad
+            grad = observe(grad) if grad is not None else None
+        except StaleOffloadCopy as exc:  # the next page-in would raise it: a lost write-back
+            problems.append(str(exc))
+            continue
+        diff = close(shard.detach(), shard_slice(ref_params[rec.name], rec, rank, world), atol, rtol)
         if diff is not None:
             problems.append(f"'{rec.name}' differs from the reference parameter by {diff:.3g} (atol {atol})")
         if rec.name in kept:
             continue
-        grad = rec.shard.grad
-        grad = observe(grad) if grad is not None else None
         pad = float("nan") if rec.name in nan_padded else 0.0
         diff = close(grad, shard_slice(ref_grads[rec.name], rec, rank, world, pad), atol, rtol)
         if diff is not None:

@@ -100,11 +100,13 @@ class AnotherRun:
         self.opt.zero_grad()
         self.steps += 1
 
-    def close(self) -> None:
+    def close(self, *, strict: bool = True) -> None:
+        """End the run: ``rt.close()``, or (``strict=False``, the harness after a program failed, when the
+        fault that made it fail may break this run too) ``rt.detach()``, which raises nothing."""
         if self.rt is None:
             return
-        self.rt.close()
-        self.rt = None
+        rt, self.rt = self.rt, None
+        rt.close() if strict else rt.detach()
         for group in self.groups:
             if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(group)
@@ -116,7 +118,7 @@ def another_run(offload, rank: int, world: int) -> AnotherRun:
     Two runs on one machine may be pointed at one folder; each must keep to its own file (see [Note: one
     file per rank and run] in paramfsm.engine.storage.tiers). This one is a small model on a process group
     of this rank alone (so it issues no collective the program's ranks would have to pair), with its
-    gradients and optimizer state on disk in the same folder. It trains after each of the program's
+    optimizer state on disk in the same folder. It trains after each of the program's
     optimizer steps (:meth:`AnotherRun.step`), so it writes its tier after the program's runtime has written
     its own: a run that reused the other's file would read values it never wrote. The global random state
     is left as it was.
@@ -130,7 +132,7 @@ def another_run(offload, rank: int, world: int) -> AnotherRun:
         torch.manual_seed(1234 + rank)
         model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
     rt = paramfsm.shard(model, group=groups[rank], trace=0,
-                        offload=Offload(optimizer="disk", grads="disk", path=offload.path))
+                        offload=Offload(optimizer="disk", path=offload.path))
     run = AnotherRun(model, rt, groups)
     run.step()
     return run

@@ -139,13 +139,13 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
             mark = next((i for i in range(len(body) - 1, -1, -1)
                          if not body[i].lstrip().startswith(("del ", "check."))), len(body) - 1)
             body[mark] += "  # <- fails here"
+        if tiered and isinstance(op, Step):
+            body.append("neighbour.step()  # the other run in the offload folder trains too")
         lines.append(f"    with check({op!r}):")
         lines += [INDENT * 2 + line for line in body]
-        if tiered and isinstance(op, Step):
-            lines.append("    neighbour.step()  # the other run in the offload folder trains too")
     lines += [
-        "    check.finish()",
         *(["    neighbour.close()"] if tiered else []),
+        "    check.finish()",
         "",
         "",
         'if __name__ == "__main__":',

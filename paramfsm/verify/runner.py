@@ -287,9 +287,10 @@ class Run:
             for op in self.program.ops:
                 with self.check(op):
                     self._apply(op)
-                if isinstance(op, Step):
-                    self.neighbour.step()  # the other run in the offload folder trains too
+                    if isinstance(op, Step):
+                        self.neighbour.step()  # the other run in the offload folder trains too
             counters = self.rt.counters
+            self.neighbour.close()
             self.check.finish()
         except Rejected as exc:
             return Outcome(False, exc.op, "invalid", exc.reason, exc.detail, time.perf_counter() - start)
@@ -316,12 +317,12 @@ def run_program(rank: int, world: int, factory, program: Program, options: Optio
             if agree(group, int(outcome is not None)):
                 if run is not None:
                     run.rt.detach()
-                    run.neighbour.close()
+                    run.neighbour.close(strict=False)
                 return outcome or Outcome(True, None, "peer", "another rank failed")
             try:
                 return run.execute()
             finally:
-                run.neighbour.close()
+                run.neighbour.close(strict=False)
                 if run.folder is not None:  # a disk tier's folder (its files went with rt.close())
                     shutil.rmtree(run.folder, ignore_errors=True)
     finally:
