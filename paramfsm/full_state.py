@@ -161,7 +161,8 @@ def full_state_dict(rt, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         if id(value) not in done:
             rec = rt._by_id.get(id(value))
             if rec is not None:
-                full = gather(rt, rec, rec.shard, PARAMETER, keep=keep)
+                with rt.scheduler.shard_scope((rec,), write=False):  # [Note: streaming through the tier]
+                    full = gather(rt, rec, rec.shard, PARAMETER, keep=keep)
             else:
                 full = value.detach().clone() if keep else None
             if full is not None and rank0_only:
@@ -206,7 +207,8 @@ def load_full_state_dict(rt, state_dict) -> None:
             raise ParamFSMError(f"'{key}': shape {tuple(src.shape)} does not match the "
                                 f"{'parameter' if rec is not None else 'buffer'}'s {shape} (rank {rt.rank})")
     records = tuple(rt._by_id.values())
-    rt.scheduler.shards_written(records, records, "rt.load_full_state_dict()")
+    # Offloaded shards are paged in one at a time below (see [Note: streaming through the tier]).
+    rt.scheduler.shards_written(records, records, "rt.load_full_state_dict()", paging=False)
     with meta.setting_values(rt, "rt.load_full_state_dict"), torch.no_grad():
         for ident, (key, src) in sources.items():
             rec = rt._by_id.get(ident)
@@ -215,5 +217,6 @@ def load_full_state_dict(rt, state_dict) -> None:
                 continue
             lo = min(rt.rank * rec.shard_numel, rec.numel)
             hi = min(lo + rec.shard_numel, rec.numel)
-            rec.shard[hi - lo:].zero_()
-            rec.shard[: hi - lo].copy_(src.reshape(-1)[lo:hi])  # a view of a contiguous (memory-mapped) tensor
+            with rt.scheduler.shard_scope((rec,), write=True):
+                rec.shard[hi - lo:].zero_()
+                rec.shard[: hi - lo].copy_(src.reshape(-1)[lo:hi])  # a view of a contiguous (memory-mapped) tensor

@@ -59,7 +59,8 @@ def init_weights(rt, fn=None) -> None:
     if busy:
         raise ParamFSMError(f"rt.init_weights: parameters {busy[:5]} are gathered; call it between iterations")
     records = tuple(rt._by_id.values())
-    rt.scheduler.shards_written(records, records, "rt.init_weights()")
+    # Offloaded shards are paged in module by module below (see [Note: streaming through the tier]).
+    rt.scheduler.shards_written(records, records, "rt.init_weights()", paging=False)
     model = rt.model
     if fn is None:
         calls = [m for m in model.modules() if callable(getattr(m, "reset_parameters", None))]
@@ -119,23 +120,24 @@ def _init_module(rt, module: nn.Module, name: str, run, written: set, complete: 
     if len(below) > len(own):
         scopes.append(below)
     for attempt, scope in enumerate(scopes):
-        rng = _rng_state(rt)
-        fulls = [(rec, _materialise(rt, rec, written)) for rec in scope]
-        try:
-            run(module)
-        except NotGathered as exc:
-            rt.executor.free([rec for rec, _ in fulls])
-            _set_rng_state(rt, rng)
-            if attempt + 1 < len(scopes):
-                continue
-            raise ParamFSMError(
-                f"rt.init_weights: the initialisation of module '{name}' ({type(module).__name__}) uses "
-                f"parameter '{exc.param}', which is neither its own nor below it (rank {rt.rank}); "
-                "initialise each parameter from a module that owns it or contains it") from exc
-        except BaseException:
-            rt.executor.free([rec for rec, _ in fulls])
-            raise
-        _keep(rt, module, name, fulls, written, complete)
+        with rt.scheduler.shard_scope(scope, write=True):
+            rng = _rng_state(rt)
+            fulls = [(rec, _materialise(rt, rec, written)) for rec in scope]
+            try:
+                run(module)
+            except NotGathered as exc:
+                rt.executor.free([rec for rec, _ in fulls])
+                _set_rng_state(rt, rng)
+                if attempt + 1 < len(scopes):
+                    continue
+                raise ParamFSMError(
+                    f"rt.init_weights: the initialisation of module '{name}' ({type(module).__name__}) uses "
+                    f"parameter '{exc.param}', which is neither its own nor below it (rank {rt.rank}); "
+                    "initialise each parameter from a module that owns it or contains it") from exc
+            except BaseException:
+                rt.executor.free([rec for rec, _ in fulls])
+                raise
+            _keep(rt, module, name, fulls, written, complete)
         return
 
 

@@ -163,9 +163,10 @@ def load_files(rt, files, where: str) -> None:
                         continue
                     lo = min(rt.rank * rec.shard_numel, rec.numel)
                     hi = min(lo + rec.shard_numel, rec.numel)
-                    shard = rec.shard.detach()
-                    shard[hi - lo:].zero_()
-                    read(handle, entry, lo, hi, into=shard[: hi - lo])
+                    with rt.scheduler.shard_scope((rec,), write=True):  # offloaded: straight into the tier
+                        shard = rec.shard.detach()
+                        shard[hi - lo:].zero_()
+                        read(handle, entry, lo, hi, into=shard[: hi - lo])
 
 
 def read(handle, entry: Entry, lo: int, hi: int, into: torch.Tensor | None = None) -> torch.Tensor:

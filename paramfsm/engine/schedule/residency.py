@@ -22,6 +22,15 @@ used first out, while the total stays within the bound, so a bound that holds
 the whole model pages nothing after the first step. With no bound, every
 released value is paged out at once (the least memory; most traffic).
 
+[Note: streaming through the tier]
+A pass over the whole model from outside the training step (``rt.init_weights``,
+``rt.load_full_state_dict``, ``load_pretrained``, ``rt.full_state_dict``) takes
+the shards of one module or parameter at a time in :meth:`Residency.using`:
+paged in (or read from the resident set), used, released, and so trimmed back
+to the bound (written to the tier first when the pass wrote them). It never
+holds more than one block's shards beyond the resident set, where an
+on-demand page-in would keep every value it touched until the next step.
+
 [Note: paging follows the recorded order]
 The order in which units' values are needed repeats from one training step to
 the next (forward, backward, optimizer step). The order of the previous step
@@ -32,6 +41,7 @@ Where the order changed, nothing is guessed: the next need reads at once.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections import OrderedDict
@@ -214,6 +224,20 @@ class Residency:
             self.need(placements, ahead=False)
             self.written(placements)
             self._writing.extend(placements)
+
+    @contextlib.contextmanager
+    def using(self, records, *, write: bool):
+        """The shards of ``records`` resident for the block, then released (see [Note: streaming through the
+        tier]); ``write``: the block writes them (a load, an initialisation), so they are marked changed."""
+        placements = [p for p in map(self.shards.get, records) if p is not None]
+        self.need(placements, ahead=False)
+        self.read(placements)
+        try:
+            yield
+        finally:
+            if write:
+                self.written(placements)
+            self.release(placements)
 
     def settle(self) -> None:
         """Release the shards kept for writes from outside (the next root forward or optimizer step)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from contextlib import nullcontext
 from functools import partial
 
 from paramfsm.core.fsm import StepContext, step, step_many
@@ -276,6 +277,11 @@ class Scheduler:
         self.emit(Event(SHARDS_WRITTEN, records=records, changed=changed, why=why))
         if paging and self.residency is not None:
             self.residency.writing_shards(changed)
+
+    def shard_scope(self, records, *, write: bool):
+        """The shards of ``records`` resident for the block under offload, released after it (see [Note:
+        streaming through the tier] in paramfsm.engine.schedule.residency); nothing to do without offload."""
+        return self.residency.using(records, write=write) if self.residency is not None else nullcontext()
 
     def write_back(self, records) -> None:
         """Write the held full copies of ``records`` back into their shards (``rt.gathered(writeback=True)``)."""
