@@ -27,31 +27,25 @@ that differs refuses it (see [Note: sizes are agreed before an exchange moves]).
 Collectives never read FSM state, and neither does this module.
 
 [Note: an exchange is posted off the caller's thread]
-Posting a gloo send of a large shard does much of the copying on the thread
-that posts it: during a step of 16 x Linear(1024) at world 2, posting an
-exchange of a 2 MiB shard held the compute thread for about 0.8 ms (70 us
-alone on an idle machine), and a step posts 49 of them, so prefetching
-overlapped little. One daemon thread per process therefore posts the
-sends and receives, in the order they were submitted, and the caller goes
-on at once; ``Exchange.wait`` first takes the posted work handles from it
-(that wait has the time limit too, and past it ends as ``CollectiveTimeout``). Pairing does not depend on the thread: each
-exchange's tag is taken on the caller's thread, in program order. Only these
-point-to-point exchanges go through the thread; collectives, whose pairing is
-their order, stay on the caller's. Measured on the same model (median step,
-best of 3 rounds, three runs): 0.59x, 0.56x and 0.54x FSDP2 posted on the thread,
-against 0.64x and 0.60x (two runs) posted by the caller.
+Posting a gloo send of a large shard does much of the copying on the thread that posts it: during a step of 16
+x Linear(1024) at world 2, posting an exchange of a 2 MiB shard held the compute thread for about 0.8 ms (70
+us alone on an idle machine), and a step posts 49 of them, so prefetching overlapped little. One daemon thread
+per process therefore posts the sends and receives, in the order they were submitted, and the caller goes on
+at once; ``Exchange.wait`` first takes the posted work handles from it (that wait has the time limit too, and
+past it ends as ``CollectiveTimeout``). Pairing does not depend on the thread: each exchange's tag is taken on
+the caller's thread, in program order. Only these point-to-point exchanges go through the thread; collectives,
+whose pairing is their order, stay on the caller's. Measured on the same model (median step, best of 3 rounds,
+three runs): 0.59x, 0.56x and 0.54x FSDP2 posted on the thread, against 0.64x and 0.60x (two runs) posted by
+the caller.
 
 [Note: a bucket's exchanges are posted together]
-A bucket whose large parameters are gathered in place (see [Note: a large
-parameter is gathered in place] in :mod:`paramfsm.engine.effects.gathers`) issues one
-exchange per such parameter and one for the packed rest: five for a GPT
-block. Handing each to the thread on its own costs a wake-up of the thread
-(and, on a busy machine, a switch to it) per exchange. Inside
-:func:`coalesced`, exchanges are collected instead and handed over in one
-submission when the block ends; each keeps its own tag (taken in program
-order, as before) and its own handle, and the thread posts them in the
-order they were made. Nothing else changes: the same messages, the same
-order, and ``wait`` on each handle as before.
+A bucket whose large parameters are gathered in place (see [Note: a large parameter is gathered in place] in
+:mod:`paramfsm.engine.effects.gathers`) issues one exchange per such parameter and one for the packed rest:
+five for a GPT block. Handing each to the thread on its own costs a wake-up of the thread (and, on a busy
+machine, a switch to it) per exchange. Inside :func:`coalesced`, exchanges are collected instead and handed
+over in one submission when the block ends; each keeps its own tag (taken in program order, as before) and its
+own handle, and the thread posts them in the order they were made. Nothing else changes: the same messages,
+the same order, and ``wait`` on each handle as before.
 
 [Note: sizes are agreed before an exchange moves]
 On a group that agrees sizes (:func:`agree_sizes`: all unless turned off) no batch moves before the ranks
@@ -325,6 +319,10 @@ _issuer = _Issuer()
 coalesced = _issuer.coalesced
 
 
+# [Note: a finished exchange lets go of its tensors]
+# A job and its batch refer to each other, so only the cyclic collector frees them, whenever it next runs.
+# Their ops and ``posted`` future (gloo's works) hold the exchange's tensors: a waited exchange drops them at
+# once (else finished gathers kept +1.3 GiB per rank alive on a model of 64 MiB units).
 class Exchange:
     """The handle of an exchange: ``wait`` waits for every send and receive, then finishes the result."""
 
@@ -354,6 +352,9 @@ class Exchange:
                     raise Dropped() from None
                 _tags.set(self.group, refused.restart)
                 raise
+            job = self.job
+            if job is not None:  # see [Note: a finished exchange lets go of its tensors]
+                job.ops, job.posted = (), None
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
