@@ -31,7 +31,12 @@ and one unit paged in ahead are resident). Columns, per rank 0:
   here: 0) + 2 units (one ``Linear`` each, its full fp32 parameters) + 64 MiB;
 * **vs none**: step time over the row without offload of the same model.
 
-    python benchmarks/offload.py [--steps 3] [--models stack big] [--folder DIR]
+Buffers of 64 KiB and more are mapped and unmapped one by one (``MALLOC_MMAP_THRESHOLD_``, as
+``default_units.py`` does), so RSS follows the live tensors; ``--glibc-default`` leaves glibc's own
+threshold, which rises to 32 MiB after the first such buffer is freed and then keeps freed buffers in its
+heap, counted in RSS.
+
+    python benchmarks/offload.py [--steps 3] [--models stack big] [--folder DIR] [--glibc-default]
 """
 
 from __future__ import annotations
@@ -130,7 +135,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--folder", default=None, help="where the offload files go (default: a temporary folder)")
+    parser.add_argument("--glibc-default", action="store_true",
+                        help="leave glibc's mmap threshold alone (freed buffers may stay in its heap and in RSS)")
     args = parser.parse_args()
+    if not args.glibc_default:  # before the first RankPool: its ranks fork from a server started with this
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))  # tensors are mappings: RSS follows them
     folder = args.folder or tempfile.mkdtemp(prefix="paramfsm-offload-bench-")
     speed = bandwidth(folder)
     print(f"sequential bandwidth of {folder}: {speed / MIB:.0f} MiB/s (buffered write + read)", flush=True)

@@ -354,12 +354,14 @@ class Executor(Gathers):
 
         ``flat_grad`` is referenced nowhere else (a piece of a fresh reduce-scatter
         output, or a one-rank gradient taken from autograd), so it becomes
-        ``shard.grad`` as is, without a copy.
+        ``shard.grad`` without a copy.
         """
         shard = rec.shard
         if flat_grad.dtype != shard.dtype:
             flat_grad = flat_grad.to(shard.dtype)
         if shard.grad is None:
-            shard.grad = flat_grad
+            # Not a view: a view keeps its base tensor alive even once its data is swapped, so a shard
+            # gradient paged out to an offload tier would still hold the whole reduce-scatter output.
+            shard.grad = flat_grad.detach() if flat_grad._is_view() else flat_grad
         else:
             shard.grad.add_(flat_grad)
