@@ -19,6 +19,7 @@ while its peers gather raises RankDesync instead of waiting.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -27,25 +28,36 @@ from paramfsm.errors import ParamFSMError
 
 
 def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False,
-                    reduce=None) -> torch.Tensor:
+                    reduce=None, paging=None) -> torch.Tensor:
     """Clip the shard gradients in place so the global ``norm_type``-norm is at most ``max_norm``.
 
     Collective when ``reduce`` is given: every rank calls it. Returns the total
     norm (before clipping) as a float32 tensor, identical on every rank.
     ``reduce(values, op)``: ``values`` (1-D) summed (``op="sum"``) or maximised
     (``"max"``) over the ranks, as a new tensor; None: one rank, nothing to reduce.
+    ``paging(grad, write=...)``: a context manager that holds an offloaded gradient in working memory
+    while it is read (``write=False``) or scaled (``write=True``), one at a time, so clipping streams
+    through the tier (``Residency.holding``); None: no gradient is offloaded.
     """
+    hold = paging or _resident
     norm_type = float(norm_type)
     grads = [s.grad for s in shards if s.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     if norm_type == 0.0:
-        counts = torch.tensor([float(torch.count_nonzero(s.grad)) if s.grad is not None else 0.0
-                               for s in shards], dtype=torch.float64, device=device)
+        nonzero = []
+        for s in shards:
+            with hold(s.grad, write=False) if s.grad is not None else contextlib.nullcontext():
+                nonzero.append(float(torch.count_nonzero(s.grad)) if s.grad is not None else 0.0)
+        counts = torch.tensor(nonzero, dtype=torch.float64, device=device)
         if reduce is not None:
             counts = reduce(counts, "sum")
         total = torch.count_nonzero(counts).float()
     elif norm_type == math.inf:
-        maxima = [g.detach().abs().max().float() for g in grads if g.numel()]
+        maxima = []
+        for g in grads:
+            if g.numel():
+                with hold(g, write=False):
+                    maxima.append(g.detach().abs().max().float())
         local = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
         total = local.clone().reshape(1)
         if reduce is not None:
@@ -54,7 +66,8 @@ def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, error_if
     else:
         local = torch.zeros(1, dtype=torch.float64, device=device)
         for g in grads:
-            local += g.detach().double().abs().pow(norm_type).sum()
+            with hold(g, write=False):
+                local += g.detach().double().abs().pow(norm_type).sum()
         if reduce is not None:
             local = reduce(local, "sum")
         total = local[0].pow(1.0 / norm_type).float()
@@ -63,5 +76,10 @@ def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, error_if
                             "(clip_grad_norm_ was called with error_if_nonfinite=True)")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
+        with hold(g, write=True):
+            g.detach().mul_(coef.to(g.dtype))
     return total
+
+
+def _resident(grad, *, write: bool):
+    return contextlib.nullcontext()

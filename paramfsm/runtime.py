@@ -248,8 +248,9 @@ class Runtime:
         with self._reporting():
             reduce = None if self.world == 1 else (
                 lambda values, op: full_state.all_reduce(self, values, op, full_state.REDUCTIONS[0]))
+            paging = self.offload.residency.holding if self.offload is not None else None
             return grad_norm.clip_grad_norm_(self.shard_parameters(), max_norm, norm_type,
-                                             error_if_nonfinite=error_if_nonfinite, reduce=reduce)
+                                             error_if_nonfinite=error_if_nonfinite, reduce=reduce, paging=paging)
 
     # ------------------------------------------------------------------ control
     def set_step(self, step: int) -> None:

@@ -166,3 +166,40 @@ def test_gradient_tiers_refuse_bad_inputs_at_shard(ranks2, tmp_path, case, error
 def test_grads_on_disk_needs_a_folder():
     with pytest.raises(ArgumentError, match="path="):
         paramfsm.Offload(grads="disk")
+
+
+def clip_job(rank, world, folder, norm_type):
+    results = {}
+    for offload in (None, paramfsm.Offload(grads="disk", path=folder)):
+        model = _model()
+        rt = paramfsm.shard(model, offload=offload)
+        model(_batch(0).chunk(world)[rank]).pow(2).mean().backward()
+        peak = [0]
+        if offload is not None:
+            residency = rt.offload.residency
+            need = residency.need
+
+            def watched(placements, **kwargs):
+                need(placements, **kwargs)
+                peak[0] = max(peak[0], residency.resident_bytes)
+            residency.need = watched
+        norm = rt.clip_grad_norm_(0.01, norm_type)
+        largest = max(p.numel() * p.element_size() for p in rt.shard_parameters())
+        resident = rt.offload.memory()["offload_resident"] if offload is not None else 0
+        clip_peak = peak[0]  # the clip's alone: full_grad below pages gradients in on demand
+        grads = {n: rt.full_grad(n) for n, _ in model.named_parameters()}
+        results["offload" if offload else "none"] = norm, grads, clip_peak, largest, resident
+        rt.close()
+    return results
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), 0.0])
+def test_clipping_offloaded_gradients_pages_one_at_a_time(ranks2, tmp_path, norm_type):
+    for results in ranks2.run(clip_job, str(tmp_path), norm_type):
+        norm0, grads0, _, _, _ = results["none"]
+        norm1, grads1, peak, largest, resident = results["offload"]
+        assert torch.equal(norm0, norm1)
+        for name in grads0:
+            assert torch.equal(grads0[name], grads1[name]), name
+        assert 0 < peak <= largest, (peak, largest)  # one shard gradient in working memory at a time
+        assert resident == 0  # and none once the clip is done

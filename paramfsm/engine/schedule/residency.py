@@ -239,6 +239,23 @@ class Residency:
                 self.written(placements)
             self.release(placements)
 
+    @contextlib.contextmanager
+    def holding(self, tensor, *, write: bool):
+        """``tensor`` (an offloaded value; anything else passes through) resident for the block, then
+        released: a reader outside the step (clipping) takes one value at a time, as :meth:`using` does."""
+        p = self._by_tensor.get(tensor) if not self.closed else None
+        if p is None:
+            yield
+            return
+        self.need([p], ahead=False)
+        self.read([p])
+        try:
+            yield
+        finally:
+            if write:
+                self.written([p])
+            self.release([p])
+
     def settle(self) -> None:
         """Release the shards kept for writes from outside (the next root forward or optimizer step)."""
         if self._writing:
