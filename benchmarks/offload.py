@@ -10,7 +10,8 @@ Two models, each sharded over 2 gloo ranks and trained with AdamW:
 Rows: no offload; the optimizer state offloaded to disk; parameters and
 optimizer state offloaded to disk; parameters, their gradients and optimizer
 state offloaded to disk (``max_resident_bytes=None``: only the values in use
-and one unit paged in ahead are resident). Columns, per rank 0:
+and one unit paged in ahead are resident); the same with ``prefetch=0`` (no
+unit gathered ahead of use: the least memory, no overlap). Columns, per rank 0:
 
 * **step**: median seconds of the measured steps (forward, backward,
   ``opt.step()``, ``zero_grad``), after one unmeasured step;
@@ -61,7 +62,10 @@ from memory import _reset_peak, _status_kib  # noqa: E402 - the same peak measur
 MODELS = {"stack": (16, 1024), "big": (16, 4096)}
 #: Row -> (params, optimizer, grads) tiers (None: no offload).
 ROWS = {"none": None, "optimizer disk": (None, "disk", None), "params + optimizer disk": ("disk", "disk", None),
-        "params + grads + optimizer disk": ("disk", "disk", "disk")}
+        "params + grads + optimizer disk": ("disk", "disk", "disk"),
+        "all disk, prefetch=0": ("disk", "disk", "disk")}
+#: Rows that change ``paramfsm.shard``'s other arguments: no gather of the next unit ahead of use.
+SHARD_ARGS = {"all disk, prefetch=0": {"prefetch": 0}}
 MIB = 1 << 20
 
 
@@ -85,7 +89,7 @@ def step_job(rank, world, model_name, row, folder, steps):
     tiers = ROWS[row]
     offload = None if tiers is None else paramfsm.Offload(params=tiers[0], optimizer=tiers[1], grads=tiers[2],
                                                           path=folder)
-    rt = paramfsm.shard(model, device="cpu", offload=offload)
+    rt = paramfsm.shard(model, device="cpu", offload=offload, **SHARD_ARGS.get(row, {}))
     rt.init_weights()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))

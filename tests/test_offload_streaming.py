@@ -1,8 +1,9 @@
 """Whole-model passes under offload stream through the tier: one module's or parameter's shards at a time.
 
-``rt.init_weights()`` on a meta model, ``rt.load_full_state_dict``, ``load_pretrained`` and
-``rt.full_state_dict()`` each page in only what they are working on and page it out after (written to
-the tier when they changed it), so they never hold the whole model; their values are plain torch's.
+``rt.init_weights()`` on a meta model, ``rt.load_full_state_dict``, ``load_pretrained``,
+``rt.full_state_dict()`` and a DCP save (``paramfsm.checkpoint.save``, model and optimizer state) each page
+in only what they are working on and page it out after (written to the tier when they changed it), so
+they never hold the whole model; their values are plain torch's.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import paramfsm
+import paramfsm.checkpoint
 from paramfsm.integrations.hf import load_pretrained
 from paramfsm.testing.models import mlp
 
@@ -68,8 +70,22 @@ def stream_job(rank, world, folder, pretrained):
     model(torch.ones(4, 8)).pow(2).mean().backward()
     opt.step()
     trained = rt.full_state_dict()
+    checkpoint = f"{folder}-checkpoint"
+    residency = rt.offload.residency
+    # A parameter's optimizer state is one placement (both AdamW moments): the most a save holds at once.
+    state_bytes = max(p.nbytes for p in residency.optim.values())
+    passes["dcp save"] = watch.measure(lambda: paramfsm.checkpoint.save(rt, checkpoint, optimizer=opt))[1:]
+    unit_bytes = {name: unit_bytes for name in passes} | {"dcp save": max(unit_bytes, state_bytes)}
     rt.close()
-    return passes, unit_bytes, model_bytes, initialised, loaded, reloaded, trained
+    with torch.device("meta"):
+        again = _build()
+    rt2 = paramfsm.shard(again, device="cpu", offload=offload)
+    opt2 = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    paramfsm.checkpoint.load(rt2, checkpoint, optimizer=opt2)
+    restored = rt2.full_state_dict()
+    moments = [sorted(k for k in opt2.state_dict()["state"][i]) for i in opt2.state_dict()["state"]]
+    rt2.close()
+    return passes, unit_bytes, model_bytes, initialised, loaded, reloaded, trained, restored, moments
 
 
 def test_whole_model_passes_stream_through_the_tier(ranks2, tmp_path):
@@ -87,14 +103,16 @@ def test_whole_model_passes_stream_through_the_tier(ranks2, tmp_path):
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     reference(torch.ones(4 * 2, 8)).pow(2).mean().backward()
     opt.step()
-    for passes, unit_bytes, model_bytes, initialised, loaded, reloaded, trained in results:
-        assert model_bytes > 4 * unit_bytes  # the model is several units: holding it whole would show
+    for passes, unit_bytes, model_bytes, initialised, loaded, reloaded, trained, restored, moments in results:
+        assert model_bytes > 4 * unit_bytes["init"]  # several units: holding the model whole would show
         for name, (peak, after) in passes.items():
-            # One module's shards at a time (the largest unit's), and nothing left resident after the pass.
-            assert 0 < peak <= unit_bytes, (name, peak, unit_bytes, model_bytes)
+            # One module's shards (or one parameter's optimizer state) at a time, nothing resident after.
+            assert 0 < peak <= unit_bytes[name], (name, peak, unit_bytes, model_bytes)
             assert after == 0, (name, after)
         for key, value in plain.state_dict().items():
             assert torch.equal(initialised[key], value), key
             assert torch.equal(loaded[key], value * 2), key
             assert torch.equal(reloaded[key], value * 3), key
             torch.testing.assert_close(trained[key], reference.state_dict()[key], rtol=1e-5, atol=1e-6)
+            assert torch.equal(restored[key], trained[key]), key
+        assert moments and all(names == ["exp_avg", "exp_avg_sq", "step"] for names in moments)

@@ -117,6 +117,10 @@ class ShardPieces(torch.Tensor):
                 return view
         raise ParamFSMError(f"'{self.key}': this rank holds no piece at offset {tuple(index.offset)}")
 
+    def empty_flat(self) -> torch.Tensor:
+        """An uninitialised tensor like ``flat``, to read a checkpoint into."""
+        return torch.empty_like(self.flat)
+
     def with_flat(self, flat: torch.Tensor) -> ShardPieces:
         """The same boxes over another tensor of the same flat length (a staging copy)."""
         return ShardPieces(self.key, self.shape, flat, _views(flat, [o for o, _ in self.pieces],
@@ -148,8 +152,13 @@ def model_shaped(rt, rec, tensor: torch.Tensor) -> torch.Tensor:
     if rec.numel == 0:
         return torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
     start, stop = valid_range(rt, rec)
-    flat = tensor.detach().reshape(-1)[: stop - start]
     found = boxes(shape, start, stop)
+    from paramfsm.checkpoint import paged_pieces  # it subclasses ShardPieces
+
+    paged = paged_pieces.pieces(rt, rec, tensor, start, stop, found)
+    if paged is not None:  # offloaded: see [Note: a save streams through the tier]
+        return paged
+    flat = tensor.detach().reshape(-1)[: stop - start]
     return ShardPieces(rec.name, shape, flat, _views(flat, [o for o, _ in found], [s for _, s in found]))
 
 

@@ -278,7 +278,7 @@ def _empty_like(state: dict) -> dict:
     out = {}
     for key, value in state.items():
         if isinstance(value, layout.ShardPieces):
-            out[key] = value.with_flat(torch.empty_like(value.flat))
+            out[key] = value.with_flat(value.empty_flat())
         elif isinstance(value, DTensor):
             out[key] = DTensor.from_local(torch.empty_like(value.to_local()), value.device_mesh, value.placements,
                                           run_check=False, shape=value.shape, stride=value.stride())

@@ -96,6 +96,10 @@ class Residency:
         self._trim()
         return p
 
+    def placement_of(self, tensor) -> Paged | None:
+        """The placement ``tensor`` is the value of (None: not offloaded here)."""
+        return None if self.closed else self._by_tensor.get(tensor)
+
     def tracks(self, p: Paged) -> bool:
         """Whether every tensor ``p`` stands for now is one this residency placed (none was replaced)."""
         return all(self._by_tensor.get(tensor) is p for _, tensor in p.values())
