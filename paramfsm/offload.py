@@ -109,7 +109,7 @@ class OffloadPlan:
         """Page every value back in, then remove the tiers' files (always; see ``Residency.page_in_all``
         for ``strict``)."""
         try:
-            self.residency.page_in_all(strict=strict)
+            self.residency.page_in_all(strict=strict, also=self.grads.placements() if self.grads else ())
         finally:
             for pager in self.pagers.values():
                 pager.close()

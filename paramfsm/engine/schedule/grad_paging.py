@@ -47,7 +47,6 @@ class GradPaging:
         self.pagers = pagers
         self.index = index  # id(record) -> its place in the model (tier keys)
         self.placed: dict = {}  # record -> Paged of its current shard gradient
-        residency.grads = self.placed
         # Each gradient's slot is reserved now, sized like its shard (a shard gradient is accumulated in the
         # shard's dtype): a full disk fails at shard(), not in the middle of a backward.
         for rec, pager in pagers.items():
@@ -81,6 +80,10 @@ class GradPaging:
         """The placements of the current shard gradients of ``records`` (None where not offloaded)."""
         return [self._current(rec) for rec in records]
 
+    def placements(self) -> list:
+        """Every gradient placement held now (closing pages them back in)."""
+        return list(self.placed.values())
+
     def prune(self) -> None:
         """Forget placements whose gradient is gone (see [Note: a placement follows one gradient tensor])."""
         stale = [rec for rec, p in self.placed.items() if not self._tracks(p, rec)]
@@ -98,28 +101,24 @@ class GradPaging:
         return None
 
     @staticmethod
-    def _tracks(p: "PagedGrad", rec) -> bool:
+    def _tracks(p: Paged, rec) -> bool:
         grad = p.tensor()
         return grad is not None and grad is rec.shard.grad
 
-    def _place(self, rec) -> "PagedGrad":
-        return self.residency.add(PagedGrad(rec, self.pagers[rec], self._key(rec)))
+    def _place(self, rec) -> Paged:
+        return self.residency.add(grad_placement(rec, self.pagers[rec], self._key(rec)))
 
     def _key(self, rec) -> tuple:
         return self.index[id(rec)], "grad"
 
 
-class PagedGrad(Paged):
-    """The placement of one shard gradient tensor (see [Note: a placement follows one gradient tensor])."""
+def grad_placement(rec, pager, key) -> Paged:
+    """The placement of ``rec``'s shard gradient tensor as it is now (see [Note: a placement follows one
+    gradient tensor]): its values are that tensor while it is still ``shard.grad``, and none after."""
+    tensor = weakref.ref(rec.shard.grad)
+    shard = weakref.ref(rec.shard)
 
-    __slots__ = ("tensor",)
-
-    def __init__(self, rec, pager, key):
-        tensor = weakref.ref(rec.shard.grad)
-        shard = weakref.ref(rec.shard)
-
-        def values():
-            current, owner = tensor(), shard()
-            return ((key, current),) if current is not None and owner is not None and current is owner.grad else ()
-        self.tensor = tensor
-        super().__init__(rec.name, rec.unit, "grad", values, pager, key)
+    def values():
+        current, owner = tensor(), shard()
+        return ((key, current),) if current is not None and owner is not None and current is owner.grad else ()
+    return Paged(rec.name, rec.unit, "grad", values, pager, key, tensor)

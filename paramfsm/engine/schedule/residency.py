@@ -54,13 +54,14 @@ from paramfsm.engine.storage import paged
 class Paged(Placement):
     """One offloaded value: its residency (the Placement), its version, its tensors and its tier."""
 
-    __slots__ = ("version", "values", "pager", "key")
+    __slots__ = ("version", "values", "pager", "key", "tensor")
 
-    def __init__(self, name: str, unit: str, kind: str, values, pager, key):
+    def __init__(self, name: str, unit: str, kind: str, values, pager, key, tensor=None):
         tensors = values()
         super().__init__(name, unit, kind, sum(t.numel() * t.element_size() for _, t in tensors))
         self.version = 0  # numbered by its Residency (add), so a run's numbers do not depend on earlier runs
         self.values, self.pager, self.key = values, pager, key
+        self.tensor = tensor  # a shard gradient's: a weak reference to the one tensor it was made for
 
 
 class Residency:
@@ -72,7 +73,6 @@ class Residency:
         self.bound = max_resident_bytes or 0
         self.shards: dict = {}  # record -> Paged (its shard)
         self.optim: dict = {}  # (id(optimizer), record) -> Paged (its optimizer state)
-        self.grads: dict = {}  # record -> Paged (its shard gradient; kept by paramfsm.engine.schedule.grad_paging)
         self._in_use: dict = {}  # Paged -> how many users
         self._cached: OrderedDict = OrderedDict()  # released and resident, least recently used first
         self._ahead: set = set()  # paged in ahead of use, not used yet
@@ -317,13 +317,14 @@ class Residency:
         return not paged.is_paged_out(tensor)
 
     # ------------------------------------------------------------------ teardown
-    def page_in_all(self, *, strict: bool = True) -> None:
+    def page_in_all(self, *, strict: bool = True, also=()) -> None:
         """Every value resident and untracked (close, detach): the model owns its tensors again.
 
         Every value is tried even when one fails (a stale tier copy, a read error), so the others are
         handed back; the first failure is then raised, unless ``strict`` is False (detach after a failure,
-        where the runtime's state may already be inconsistent and nothing may raise)."""
-        placements = list(itertools.chain(self.shards.values(), self.grads.values(), self.optim.values()))
+        where the runtime's state may already be inconsistent and nothing may raise). ``also``: placements
+        kept elsewhere (the shard gradients' of paramfsm.engine.schedule.grad_paging)."""
+        placements = list(itertools.chain(self.shards.values(), also, self.optim.values()))
         first = None
         for p in placements:
             try:
