@@ -8,6 +8,7 @@ torch on the whole batch. The tiers' files must be gone after ``rt.close()``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -201,6 +202,18 @@ def test_a_meta_model_initialised_under_offload_trains_like_plain_torch(ranks2, 
             torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6)
 
 
+@contextlib.contextmanager
+def disk_full():
+    """Every reservation of disk space fails as on a full disk (ENOSPC)."""
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+    os.posix_fallocate, real = no_space, os.posix_fallocate
+    try:
+        yield
+    finally:
+        os.posix_fallocate = real
+
+
 def bad_input_job(rank, world, folder, case):
     model = _model()
     try:
@@ -209,13 +222,8 @@ def bad_input_job(rank, world, folder, case):
             open(blocker, "w").close()
             paramfsm.shard(model, offload=paramfsm.Offload(params="disk", path=os.path.join(blocker, "tier")))
         elif case == "full-disk":
-            def no_space(fd, offset, length):
-                raise OSError(28, "No space left on device")
-            os.posix_fallocate, real = no_space, os.posix_fallocate
-            try:
+            with disk_full():
                 paramfsm.shard(model, offload=paramfsm.Offload(params="disk", path=folder))
-            finally:
-                os.posix_fallocate = real
         elif case == "bound":
             paramfsm.shard(model, offload=paramfsm.Offload(params="disk", path=folder, max_resident_bytes=16))
     except (OffloadError, ArgumentError) as exc:

@@ -14,20 +14,9 @@ import torch
 
 import paramfsm
 from paramfsm.errors import ArgumentError, OffloadError
-from paramfsm.testing.models import mlp
+from test_offload import STEPS, _batch, _model, disk_full
 
 pytestmark = pytest.mark.slow
-
-STEPS = 3
-
-
-def _model():
-    torch.manual_seed(0)
-    return mlp(width=16, depth=4, d_in=8, d_out=4)
-
-
-def _batch(i):
-    return torch.randn(4, 8, generator=torch.Generator().manual_seed(200 + i))
 
 
 def _loop(model, opt, rt, rank, world, *, passes, set_to_none, probe):
@@ -81,7 +70,8 @@ def test_gradients_added_over_backward_passes_into_paged_out_ones_train_like_pla
         full, seen, grad_records, traffic = results["offload"]
         for name, value in base.items():
             assert torch.equal(full[name], value), (rank, name)
-            torch.testing.assert_close(full[name], plain[name], rtol=1e-5, atol=1e-6)
+            # Two backward passes sum in another order than one whole batch (see tests/test_offload.py).
+            torch.testing.assert_close(full[name], plain[name], rtol=1e-3, atol=2e-4)
         # After every backward the shard gradients are in the tier, none in working memory.
         assert all(resident == 0 and tiered > 0 for resident, tiered in seen), seen
         assert grad_records > 0, "the gradients' residency must be traced"
@@ -100,7 +90,7 @@ def test_gradients_offload_on_one_rank(ranks1, tmp_path):
     full, seen, _, _ = results["offload"]
     assert all(resident == 0 for resident, _ in seen), seen
     for name, value in plain.items():
-        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(full[name], value, rtol=1e-3, atol=2e-4)
     assert left == []
 
 
@@ -139,13 +129,8 @@ def bad_job(rank, world, folder, case):
         if case == "bound":
             paramfsm.shard(model, offload=paramfsm.Offload(grads="cpu", max_resident_bytes=16))
         elif case == "full-disk":
-            def no_space(fd, offset, length):
-                raise OSError(28, "No space left on device")
-            os.posix_fallocate, real = no_space, os.posix_fallocate
-            try:
+            with disk_full():
                 paramfsm.shard(model, offload=paramfsm.Offload(grads="disk", path=folder))
-            finally:
-                os.posix_fallocate = real
     except (OffloadError, ArgumentError) as exc:
         return type(exc).__name__, str(exc), sorted(os.listdir(folder))
     return None, "", []
