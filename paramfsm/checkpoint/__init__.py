@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from paramfsm import meta, optim
 from paramfsm.checkpoint import layout as model_layout
+from paramfsm.checkpoint import paged_pieces
 from paramfsm.core.spec import State
 from paramfsm.errors import ArgumentError, ParamFSMError
 
@@ -99,7 +100,10 @@ def _check_layout(value) -> None:
 
 def _shaped(rt, rec, tensor: torch.Tensor, where):
     """``tensor`` in the model layout (``where`` None) or as a flat DTensor on ``where`` (``_mesh(rt)``)."""
-    return model_layout.model_shaped(rt, rec, tensor) if where is None else flat_dtensor(rt, rec, tensor, where)
+    if where is not None:
+        return flat_dtensor(rt, rec, tensor, where)
+    paged = paged_pieces.pieces(rt, rec, tensor)  # offloaded: see [Note: a save streams through the tier]
+    return paged if paged is not None else model_layout.model_shaped(rt, rec, tensor)
 
 
 def sharded_state_dict(rt, layout: str = "model") -> dict:

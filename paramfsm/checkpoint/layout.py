@@ -152,13 +152,8 @@ def model_shaped(rt, rec, tensor: torch.Tensor) -> torch.Tensor:
     if rec.numel == 0:
         return torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
     start, stop = valid_range(rt, rec)
-    found = boxes(shape, start, stop)
-    from paramfsm.checkpoint import paged_pieces  # it subclasses ShardPieces
-
-    paged = paged_pieces.pieces(rt, rec, tensor, start, stop, found)
-    if paged is not None:  # offloaded: see [Note: a save streams through the tier]
-        return paged
     flat = tensor.detach().reshape(-1)[: stop - start]
+    found = boxes(shape, start, stop)
     return ShardPieces(rec.name, shape, flat, _views(flat, [o for o, _ in found], [s for _, s in found]))
 
 

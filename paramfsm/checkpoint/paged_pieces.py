@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from paramfsm.checkpoint.layout import ShardPieces, _views
+from paramfsm.checkpoint.layout import ShardPieces, _views, boxes, valid_range
 from paramfsm.errors import ParamFSMError
 
 
@@ -86,12 +86,13 @@ class PagedPieces(ShardPieces):
         raise ParamFSMError(f"'{self.key}': this rank holds no piece at offset {tuple(index.offset)}")
 
 
-def pieces(rt, rec, tensor: torch.Tensor, start: int, stop: int, found: list) -> PagedPieces | None:
-    """:class:`PagedPieces` when ``tensor`` is offloaded by ``rt`` (see [Note: a save streams through the
-    tier]), else None."""
+def pieces(rt, rec, tensor: torch.Tensor) -> PagedPieces | None:
+    """:class:`PagedPieces` for ``tensor`` (a shard, or optimizer state like it) when ``rt`` offloads it (see
+    [Note: a save streams through the tier]), else None."""
     plan = getattr(rt, "offload", None)
-    if plan is None or plan.residency.placement_of(tensor) is None:
+    if plan is None or rec.numel == 0 or plan.residency.placement_of(tensor) is None:
         return None
     residency = plan.residency
-    return PagedPieces(rec.name, tuple(rec.shape), tensor, stop - start, found,
+    start, stop = valid_range(rt, rec)
+    return PagedPieces(rec.name, tuple(rec.shape), tensor, stop - start, boxes(tuple(rec.shape), start, stop),
                        lambda: residency.holding(tensor, write=False))
