@@ -204,7 +204,10 @@ class Executor(Gathers):
         """Add one full gradient to the pending reduce bucket (``owned``: referenced nowhere else;
         ``had``: for gradients staged in unit order, whether this rank produced it)."""
         if self.local:
-            self._accumulate_all(((rec, grad.reshape(-1)),))
+            if self.grad_paging is None:
+                self._accumulate(rec, grad.reshape(-1))
+            else:
+                self._accumulate_all(((rec, grad.reshape(-1)),))
             return
         size = grad.numel() * grad.element_size()
         if had is not None:  # its flag rides in its bucket: [Note: a gradient no rank produced stays None]
@@ -344,7 +347,9 @@ class Executor(Gathers):
         paging.opening(records)
         try:
             for rec, piece in pieces:
-                self._accumulate(rec, piece)
+                # Not a view: a view keeps its base alive even once its data is swapped, so a shard gradient
+                # paged out to its tier would still hold the whole reduce-scatter output.
+                self._accumulate(rec, piece.detach() if piece._is_view() else piece)
         finally:
             paging.closing(records)  # a write-back too many is safe; a lost one is not
 
@@ -354,14 +359,12 @@ class Executor(Gathers):
 
         ``flat_grad`` is referenced nowhere else (a piece of a fresh reduce-scatter
         output, or a one-rank gradient taken from autograd), so it becomes
-        ``shard.grad`` without a copy.
+        ``shard.grad`` as is, without a copy.
         """
         shard = rec.shard
         if flat_grad.dtype != shard.dtype:
             flat_grad = flat_grad.to(shard.dtype)
         if shard.grad is None:
-            # Not a view: a view keeps its base tensor alive even once its data is swapped, so a shard
-            # gradient paged out to an offload tier would still hold the whole reduce-scatter output.
-            shard.grad = flat_grad.detach() if flat_grad._is_view() else flat_grad
+            shard.grad = flat_grad
         else:
             shard.grad.add_(flat_grad)
