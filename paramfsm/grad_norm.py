@@ -46,8 +46,11 @@ def clip_grad_norm_(shards, max_norm: float, norm_type: float = 2.0, *, error_if
     if norm_type == 0.0:
         nonzero = []
         for s in shards:
-            with hold(s.grad, write=False) if s.grad is not None else contextlib.nullcontext():
-                nonzero.append(float(torch.count_nonzero(s.grad)) if s.grad is not None else 0.0)
+            if s.grad is None:
+                nonzero.append(0.0)
+                continue
+            with hold(s.grad, write=False):
+                nonzero.append(float(torch.count_nonzero(s.grad)))
         counts = torch.tensor(nonzero, dtype=torch.float64, device=device)
         if reduce is not None:
             counts = reduce(counts, "sum")

@@ -116,3 +116,26 @@ def test_whole_model_passes_stream_through_the_tier(ranks2, tmp_path):
             torch.testing.assert_close(trained[key], reference.state_dict()[key], rtol=1e-5, atol=1e-6)
             assert torch.equal(restored[key], trained[key]), key
         assert moments and all(names == ["exp_avg", "exp_avg_sq", "step"] for names in moments)
+
+
+def in_place_job(rank, world, folder):
+    """``dcp.load`` into ``rt.sharded_state_dict()`` in place (its values view the shards) under offload."""
+    import torch.distributed.checkpoint as dcp
+
+    offload = paramfsm.Offload(params="disk", optimizer="disk", grads="disk", path=f"{folder}/tier")
+    torch.manual_seed(0)
+    model = _build()
+    rt = paramfsm.shard(model, offload=offload)
+    saved = rt.full_state_dict()
+    paramfsm.checkpoint.save(rt, f"{folder}/ck")
+    rt.load_full_state_dict({k: torch.zeros_like(v) for k, v in saved.items()})
+    dcp.load(rt.sharded_state_dict(), checkpoint_id=f"{folder}/ck")
+    loaded = rt.full_state_dict()
+    rt.close()
+    return saved, loaded
+
+
+def test_dcp_load_into_the_sharded_state_dict_writes_offloaded_shards(ranks2, tmp_path):
+    for saved, loaded in ranks2.run(in_place_job, str(tmp_path)):
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), f"{key}: the in-place load did not reach the shard"

@@ -98,11 +98,13 @@ def _check_layout(value) -> None:
                             "pieces: the standard DCP layout) or 'flat' (1-D DTensors of (numel,))")
 
 
-def _shaped(rt, rec, tensor: torch.Tensor, where):
-    """``tensor`` in the model layout (``where`` None) or as a flat DTensor on ``where`` (``_mesh(rt)``)."""
+def _shaped(rt, rec, tensor: torch.Tensor, where, streaming: bool = False):
+    """``tensor`` in the model layout (``where`` None) or as a flat DTensor on ``where`` (``_mesh(rt)``).
+    ``streaming``: for a save only, an offloaded tensor as pieces read when DCP writes them ([Note: a save
+    streams through the tier]); a load into those would fill copies, so loads never ask for them."""
     if where is not None:
         return flat_dtensor(rt, rec, tensor, where)
-    paged = paged_pieces.pieces(rt, rec, tensor)  # offloaded: see [Note: a save streams through the tier]
+    paged = paged_pieces.pieces(rt, rec, tensor) if streaming else None
     return paged if paged is not None else model_layout.model_shaped(rt, rec, tensor)
 
 
@@ -120,12 +122,17 @@ def sharded_state_dict(rt, layout: str = "model") -> dict:
     place: the values are views of the shards), or pass a loaded dict to
     :func:`load_sharded_state_dict`.
     """
+    return _model_state(rt, layout)
+
+
+def _model_state(rt, layout: str, streaming: bool = False) -> dict:
+    """:func:`sharded_state_dict`; ``streaming``: as :func:`paramfsm.checkpoint.save` asks for it (``_shaped``)."""
     _check_layout(layout)
     where = _mesh(rt) if layout == "flat" else None
     out = {}
     for key, value in rt.model.state_dict(keep_vars=True).items():
         rec = rt._by_id.get(id(value))
-        out[key] = _shaped(rt, rec, rec.shard, where) if rec is not None else value.detach()
+        out[key] = _shaped(rt, rec, rec.shard, where, streaming) if rec is not None else value.detach()
     return out
 
 
@@ -200,6 +207,11 @@ def _init_optim_state(optimizer) -> None:
 def sharded_optim_state_dict(rt, optimizer, layout: str = "model") -> dict:
     """The optimizer's state keyed ``optim.<param name>.<state key>``; shard-shaped tensors in ``layout``
     (as in :func:`sharded_state_dict`), other entries as they are."""
+    return _optim_state(rt, optimizer, layout)
+
+
+def _optim_state(rt, optimizer, layout: str, streaming: bool = False) -> dict:
+    """:func:`sharded_optim_state_dict`; ``streaming`` as in :func:`_model_state`."""
     _check_layout(layout)
     where = _mesh(rt) if layout == "flat" else None
     recs = _optim_names(rt, optimizer)
@@ -210,7 +222,7 @@ def sharded_optim_state_dict(rt, optimizer, layout: str = "model") -> dict:
         for key, value in entries.items():
             name = f"{OPTIM_PREFIX}{rec.name}.{key}"
             if isinstance(value, torch.Tensor) and value.shape == rec.shard.shape:
-                out[name] = _shaped(rt, rec, value, where)
+                out[name] = _shaped(rt, rec, value, where, streaming)
             else:
                 out[name] = value
     groups = []

@@ -117,10 +117,6 @@ class ShardPieces(torch.Tensor):
                 return view
         raise ParamFSMError(f"'{self.key}': this rank holds no piece at offset {tuple(index.offset)}")
 
-    def empty_flat(self) -> torch.Tensor:
-        """An uninitialised tensor like ``flat``, to read a checkpoint into."""
-        return torch.empty_like(self.flat)
-
     def with_flat(self, flat: torch.Tensor) -> ShardPieces:
         """The same boxes over another tensor of the same flat length (a staging copy)."""
         return ShardPieces(self.key, self.shape, flat, _views(flat, [o for o, _ in self.pieces],

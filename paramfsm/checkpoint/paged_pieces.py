@@ -12,9 +12,14 @@ views. Its ``__get_tensor_shard__`` holds the tensor resident
 (``Residency.holding``: paged in if it was out, released after, and so paged
 out again), copies the one piece DCP asked for and returns the copy: a save
 holds one piece of one tensor at a time beyond the resident set. Anything else
-that needs the values (an asynchronous save's staging copy, a load's buffers)
-reads ``flat``, which pages the tensor in on demand as any reader outside the
-schedule does.
+that needs the values reads ``flat``, which pages the tensor in on demand as
+any reader outside the schedule does.
+
+Only :func:`paramfsm.checkpoint.save` asks for them, and only for a synchronous
+save. A load must never get them: DCP loads in place into the tensors
+``__get_tensor_shard__`` returns, and these are copies, so the load would be
+dropped without a word. ``rt.sharded_state_dict()``, which users load into, keeps
+views of the shards (``tests/test_offload_streaming.py`` checks such a load).
 """
 
 from __future__ import annotations
@@ -49,13 +54,6 @@ class PagedPieces(ShardPieces):
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"PagedPieces('{self.key}', shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"pieces={len(self.boxes)}, numel_here={self.numel_here})")
-
-    def empty_flat(self) -> torch.Tensor:
-        return torch.empty(self.numel_here, dtype=self.dtype, device=self.device)
-
-    def with_flat(self, flat: torch.Tensor) -> ShardPieces:
-        return ShardPieces(self.key, self.shape, flat, _views(flat, [o for o, _ in self.boxes],
-                                                              [s for _, s in self.boxes]))
 
     def __create_write_items__(self, fqn: str, obj) -> list:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties

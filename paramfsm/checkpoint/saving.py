@@ -121,9 +121,11 @@ def save(rt, path, optimizer=None, *, keep_last: int | None = None, async_save: 
     ck._require_idle(rt, "save a sharded checkpoint")
     path = Path(os.path.abspath(path))
     group = ck._dcp_group(rt)
-    state = ck.sharded_state_dict(rt, layout="model")
+    # A synchronous save reads offloaded values piece by piece as DCP writes them; an asynchronous one copies
+    # everything first anyway (see [Note: a save streams through the tier]).
+    state = ck._model_state(rt, "model", streaming=not async_save)
     if optimizer is not None:
-        state.update(ck.sharded_optim_state_dict(rt, optimizer, layout="model"))
+        state.update(ck._optim_state(rt, optimizer, "model", streaming=not async_save))
     shapes = {key: list(shape) for key, shape in _model_shapes(rt).items()}
     token = _prepare(group, path)
     folders.reach("prepared")
@@ -278,7 +280,7 @@ def _empty_like(state: dict) -> dict:
     out = {}
     for key, value in state.items():
         if isinstance(value, layout.ShardPieces):
-            out[key] = value.with_flat(value.empty_flat())
+            out[key] = value.with_flat(torch.empty_like(value.flat))
         elif isinstance(value, DTensor):
             out[key] = DTensor.from_local(torch.empty_like(value.to_local()), value.device_mesh, value.placements,
                                           run_check=False, shape=value.shape, stride=value.stride())

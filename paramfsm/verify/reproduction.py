@@ -62,12 +62,12 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
                       or isinstance(op, RankLoss)})
     inner = [i for op in program.ops if isinstance(op, ClosureStep) for i in op.inner]
     used = sorted({type(op).__name__ for op in (*program.ops, *inner)} | {"Config"})
+    tiered = bool(offload or program.config.offload)  # the script shards with an offload policy
     helpers = sorted({"perturbed" for op in program.ops if isinstance(op, (FullState, Checkpoint))}
                      | {"force_overflow" for op in program.ops if isinstance(op, Overflow)}
                      | {"reentrant_blocks" for op in program.ops if getattr(op, "mode", "") == "reentrant"}
-                     | ({"another_run", "offload_policy"} if offload or program.config.offload else set()))
+                     | ({"another_run", "offload_policy"} if tiered else set()))
     scaled = program.config.scaled
-    tiered = bool(offload or program.config.offload)
     quoted = message.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
     ranks = str(world) if world else "WORLD"
     lines = [

@@ -73,12 +73,7 @@ class Pager:
             for tensor, buffer, target, slot, future in self._reads.pop(p, ()):
                 if future is not None:
                     future.result()
-                if slot.version != p.version:
-                    raise StaleOffloadCopy(
-                        f"the {p.kind} of parameter '{p.name}' (unit '{p.unit}', rank {self.rank}) was about "
-                        f"to be paged in from a tier copy of version {slot.version}, older than its working "
-                        f"value (version {p.version}): a write-back was lost. Nothing was read. What to do: "
-                        "this is a bug in paramfsm's offload schedule; report it with the trace dump.")
+                self._check_version(p, slot)
                 if target is not buffer:
                     buffer.copy_(target, non_blocking=True)
                 paged.reveal(tensor, buffer)
@@ -96,15 +91,20 @@ class Pager:
     def peek(self, p, key, tensor) -> torch.Tensor:
         """A copy of ``tensor``'s tier copy in host memory, read now (see ``Residency.peek``); no effect."""
         slot = self.tier.slots[key]
-        if slot.version != p.version:
-            raise StaleOffloadCopy(
-                f"the {p.kind} of parameter '{p.name}' (unit '{p.unit}', rank {self.rank}) is paged out, and its "
-                f"tier copy (version {slot.version}) is older than its value (version {p.version}): a write-back "
-                "was lost. What to do: this is a bug in paramfsm's offload schedule; report it with the trace dump.")
+        self._check_version(p, slot)
         with _normal_tensors():
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
             self.tier.read(slot, buffer, p.name)
         return buffer.to(tensor.device)
+
+    def _check_version(self, p, slot) -> None:
+        """Refuse a tier copy older than the value it stands for."""
+        if slot.version != p.version:
+            raise StaleOffloadCopy(
+                f"the {p.kind} of parameter '{p.name}' (unit '{p.unit}', rank {self.rank}) was about to be read "
+                f"from a tier copy of version {slot.version}, older than its working value (version {p.version}): "
+                "a write-back was lost. Nothing was read. What to do: this is a bug in paramfsm's offload "
+                "schedule; report it with the trace dump.")
 
     def drop_resident(self, placements) -> None:
         for p in placements:

@@ -229,11 +229,19 @@ class Residency:
             self.written(placements)
             self._writing.extend(placements)
 
-    @contextlib.contextmanager
     def using(self, records, *, write: bool):
         """The shards of ``records`` resident for the block, then released (see [Note: streaming through the
         tier]); ``write``: the block writes them (a load, an initialisation), so they are marked changed."""
-        placements = [p for p in map(self.shards.get, records) if p is not None]
+        return self._held([p for p in map(self.shards.get, records) if p is not None], write)
+
+    def holding(self, tensor, *, write: bool):
+        """``tensor`` (an offloaded value; anything else passes through) resident for the block, then
+        released: a reader outside the step (clipping) takes one value at a time, as :meth:`using` does."""
+        p = self.placement_of(tensor)
+        return self._held([p] if p is not None else [], write)
+
+    @contextlib.contextmanager
+    def _held(self, placements: list, write: bool):
         self.need(placements, ahead=False)
         self.read(placements)
         try:
@@ -242,23 +250,6 @@ class Residency:
             if write:
                 self.written(placements)
             self.release(placements)
-
-    @contextlib.contextmanager
-    def holding(self, tensor, *, write: bool):
-        """``tensor`` (an offloaded value; anything else passes through) resident for the block, then
-        released: a reader outside the step (clipping) takes one value at a time, as :meth:`using` does."""
-        p = self._by_tensor.get(tensor) if not self.closed else None
-        if p is None:
-            yield
-            return
-        self.need([p], ahead=False)
-        self.read([p])
-        try:
-            yield
-        finally:
-            if write:
-                self.written([p])
-            self.release([p])
 
     def settle(self) -> None:
         """Release the shards kept for writes from outside (the next root forward or optimizer step)."""
