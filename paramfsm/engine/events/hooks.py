@@ -282,7 +282,8 @@ def _post_forward(emit, unit, chain, module, args, output):
 
 
 def _on_grad_accumulated(emit, record, param):
-    emit(Event(GRAD_READY, None, gt.backward_task(), gt.keeps_graph(), record))
+    task = gt.current_task()  # gt.backward_task(), inlined: this hook runs once per parameter per backward
+    emit(Event(GRAD_READY, None, gt.ANONYMOUS if task == gt.NO_TASK else task, gt.keeps_graph(), record))
 
 
 def _root_forward_begin(emit, chain, module, args) -> None:
