@@ -13,7 +13,10 @@ own plain figure.
 
 Jobs: ``w1`` (world 1), ``w2`` (world 2), ``w2s`` (world 2,
 ``units=paramfsm.by_size(1 MiB)``), ``fsdp2`` (PyTorch FSDP2, world 2: measured
-in B's server only, for the ratio to FSDP2). B/A is the A/B figure of the
+in B's server only, for the ratio to FSDP2), ``hooks`` (world 1, paramfsm's hooks alone,
+emitting into a no-op: with ``w1``, the microseconds per unit per step above the hooks). Models: those of :mod:`step_overhead`,
+and ``llama``, the tiny Hugging Face Llama of :mod:`default_units` under the
+default units (jobs ``w1``, ``w2`` and ``fsdp2``, FSDP2 wrapping each decoder layer). B/A is the A/B figure of the
 change between the two checkouts: the ratio of the medians, and "paired", the
 median over rounds of each round's B / A (the two taken back to back, so it
 cancels drift between rounds best).
@@ -33,6 +36,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PREFIX = "@@ab "
+#: Units holding parameters, where the per-unit cost above the hooks is printed (one per Linear).
+PER_UNIT = {"u": 200}
+#: Models of default_units (Hugging Face), measured under plain, w1, w2 and fsdp2 only.
+HF_MODELS = ("llama",)
 
 # The server: reads one job a line (JSON), answers one line starting with PREFIX.
 SERVER = """
@@ -41,11 +48,16 @@ import paramfsm
 print(PREFIX + json.dumps(paramfsm.__file__), flush=True)
 from paramfsm.launch import RankPool
 import step_overhead as so
+import default_units as du
 with RankPool(1) as one, RankPool(2) as two:
     print(PREFIX + "null", flush=True)
     for line in sys.stdin:
         job, name, steps, warmup = json.loads(line)
-        if job == "plain":
+        if name in du.MODELS and name not in so.MODELS:  # a Hugging Face model, default units
+            setting = {"plain": "plain", "w1": None, "w2": None, "fsdp2": "FSDP2"}[job]
+            pool = one if job in ("plain", "w1") else two
+            out = max(r[0] for r in pool.run(du.step_job, name, setting, steps, warmup))
+        elif job == "plain":
             out = one.run(so.plain_job, name, steps, warmup)[0]
         elif job == "w1":
             out = one.run(so.paramfsm_job, name, steps, warmup)[0][0]
@@ -55,6 +67,8 @@ with RankPool(1) as one, RankPool(2) as two:
             out = max(r[0] for r in two.run(so.paramfsm_job, name, steps, warmup, "shards", False, so.BY_SIZE))
         elif job == "fsdp2":
             out = max(r[0] for r in two.run(so.fsdp2_job, name, steps, warmup))
+        elif job == "hooks":
+            out = one.run(so.hooks_job, name, steps, warmup)[0]
         else:
             raise SystemExit(f"unknown job {job}")
         print(PREFIX + json.dumps(out), flush=True)
@@ -96,8 +110,10 @@ def main(argv=None) -> int:
     parser.add_argument("--base", type=Path, required=True, help="checkout A (holds paramfsm/ and specs/)")
     parser.add_argument("--head", type=Path, default=HERE.parent,
                         help="checkout B (default: this one; a copy keeps edits made during the run out of it)")
-    parser.add_argument("--models", nargs="+", default=["a", "t"], choices=["a", "u", "b", "t"])
-    parser.add_argument("--jobs", nargs="+", default=["w1", "w2", "w2s"], choices=["w1", "w2", "w2s", "fsdp2"])
+    parser.add_argument("--models", nargs="+", default=["a", "t"], choices=["a", "u", "b", "t", *HF_MODELS],
+                        help="step_overhead's models, or llama: default_units' tiny Hugging Face Llama (default "
+                             "units; its fsdp2 job wraps each decoder layer)")
+    parser.add_argument("--jobs", nargs="+", default=["w1", "w2", "w2s"], choices=["w1", "w2", "w2s", "fsdp2", "hooks"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -110,6 +126,8 @@ def main(argv=None) -> int:
             order = ("A", "B") if round_ % 2 == 0 else ("B", "A")
             for name in args.models:
                 for job in ("plain", *args.jobs):
+                    if name in HF_MODELS and job not in ("plain", "w1", "w2", "fsdp2"):
+                        continue
                     for version in ("B",) if job == "fsdp2" else order:
                         seconds = servers[version].run(job, name, args.steps, args.warmup)
                         times.setdefault((name, job, version), []).append(seconds)
@@ -120,13 +138,17 @@ def main(argv=None) -> int:
     print(f"{'model':<7}{'job':<7}{'A ms':>10}{'B ms':>10}{'A/plain':>9}{'B/plain':>9}{'B/A':>7}{'B/A paired':>12}")
     for name in args.models:
         for job in args.jobs:
-            if job == "fsdp2":
+            if job in ("fsdp2", "hooks") or (name, job, "A") not in med:
                 continue
             a, b = med[(name, job, "A")], med[(name, job, "B")]
             pa, pb = med[(name, "plain", "A")], med[(name, "plain", "B")]
             paired = statistics.median(tb / ta for ta, tb in zip(times[(name, job, "A")], times[(name, job, "B")]))
             line = (f"({name})    {job:<7}{a * 1e3:>10.2f}{b * 1e3:>10.2f}{a / pa:>9.2f}{b / pb:>9.2f}{b / a:>7.3f}"
                     f"{paired:>12.3f}")
+            if "hooks" in args.jobs and job == "w1" and name in PER_UNIT:
+                ha, hb = med[(name, "hooks", "A")], med[(name, "hooks", "B")]
+                line += (f"   above the hooks, us per unit: A {(a - ha) / PER_UNIT[name] * 1e6:.1f}, "
+                         f"B {(b - hb) / PER_UNIT[name] * 1e6:.1f}")
             if "fsdp2" in args.jobs and job == "w2":
                 f2 = med[(name, "fsdp2", "B")]
                 line += f"   FSDP2 {f2 * 1e3:.2f} ms: A/FSDP2 {a / f2:.2f}, B/FSDP2 {b / f2:.2f}"
