@@ -17,6 +17,7 @@ from torch import nn
 from paramfsm import accumulation, assembly, full_state, grad_norm, materialize, memory, teardown
 from paramfsm import offload as offload_module
 from paramfsm.core.spec import State
+from paramfsm.engine.effects.executor import DEFAULT_BUCKET_BYTES
 from paramfsm.engine.events import graph_task as gt
 from paramfsm.engine.storage.default_units import describe
 from paramfsm.engine.storage.units import ParamRecord
@@ -26,7 +27,7 @@ from paramfsm.gathered import gathered as gathered_block
 
 def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
           prefetch: int = 1, trace=False, spec=None, *, strict: bool = False,
-          bucket_bytes: int = 1 << 20, param_dtype=None, reduce_dtype=None, debug: bool = False,
+          bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_dtype=None, reduce_dtype=None, debug: bool = False,
           collective_timeout: float | None = None, mesh=None, device=None,
           sync_module_states: bool = False, reshard_after_forward=True, offload=None,
           min_unit_bytes: int | None = None) -> "Runtime":
@@ -47,7 +48,8 @@ def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_d
     next backward; "regather" releases at once. ``max_deferred_bytes`` bounds
     deferred memory. ``prefetch``: buckets gathered ahead of use.
     ``bucket_bytes``: consecutive units are gathered (and gradients
-    reduce-scattered) together up to this many bytes. ``spec``: a path to an
+    reduce-scattered) together up to this many bytes (8 MiB: see [Note: the
+    default bucket is 8 MiB] in :mod:`paramfsm.engine.effects.executor`). ``spec``: a path to an
     alternative lifetime spec. ``trace``: False keeps the flight recorder, a ring
     of the last ``$PARAMFSM_TRACE_RECORDS`` (default 8192) transitions dumped
     when something fails (:mod:`paramfsm.engine.schedule.flight`); an int N keeps the last
