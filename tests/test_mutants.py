@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from paramfsm import amp, full_state, gathered, grad_norm, optim
+from paramfsm import amp, checkpoint, full_state, gathered, grad_norm, optim
 from paramfsm.checkpoint import layout as checkpoint_layout
 from paramfsm.core import replay
 from paramfsm.core.trace import Trace
@@ -57,7 +57,7 @@ def _patchable():
             checkpoint_layout.valid_range, vars(SecondOrderEntry)["backward"], full_state.load_full_state_dict,
             replay.replay, Trace._snapshot, dict(vars(UnsyncedGrads)), dict(vars(ShardWrites)),
             gathered._write_back, _methods(Residency), _methods(Pager), optim._after_closure,
-            _methods(GradPaging), dict(vars(DiskTier)))
+            _methods(GradPaging), dict(vars(DiskTier)), checkpoint.sharded_state_dict)
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))

@@ -56,7 +56,8 @@ def patterns(program: Program) -> set[str]:
         elif isinstance(op, Evaluate):
             found.add("Evaluate under " + ("inference_mode" if op.inference else "no_grad"))
         elif isinstance(op, (Save, Restore)):
-            found.add(f"{type(op).__name__}({'full state dict' if op.full else 'DCP'})")
+            way = "full state dict" if op.full else "plain DCP in place" if getattr(op, "plain", False) else "DCP"
+            found.add(f"{type(op).__name__}({way})")
         if isinstance(op, Restore) and retained:
             found.add("Restore while a retained graph is alive")
         if isinstance(op, ClosureStep):

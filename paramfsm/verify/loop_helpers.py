@@ -6,7 +6,7 @@
 * :func:`reentrant_blocks`: per-block reentrant activation checkpointing of
   any model, for the duration of one forward.
 * :func:`perturbed`: the state dict a round trip loads when it must change
-  something.
+  something; :func:`load_plain_dcp`: a checkpoint loaded by plain DCP.
 * :func:`force_overflow`: a forced fp16 overflow in one element of one
   gradient, on the one rank whose shard holds it.
 * :func:`scratch_dir`: one temporary folder for a DCP checkpoint, the same on
@@ -217,6 +217,20 @@ def perturbed(state_dict: dict) -> dict:
     """
     return {key: value * 0.75 + 0.125 if value.is_floating_point() else value.clone()
             for key, value in state_dict.items()}
+
+
+def load_plain_dcp(rt, optimizer, path: str) -> None:
+    """Load a ``paramfsm.checkpoint.save`` folder with plain DCP, in place into the runtime's own state dicts
+    (the :class:`~paramfsm.verify.ops.Restore` op's ``plain`` way; the lines a reproduction renders)."""
+    import torch.distributed.checkpoint as dcp
+
+    import paramfsm.checkpoint as ck
+
+    model, optim = rt.sharded_state_dict(), ck.sharded_optim_state_dict(rt, optimizer)
+    loaded = {**model, **optim}
+    dcp.load(loaded, checkpoint_id=path)  # tensors in place; other values (param_groups) replaced in ``loaded``
+    rt.load_sharded_state_dict({key: loaded[key] for key in model})
+    ck.load_sharded_optim_state_dict(rt, optimizer, {key: loaded[key] for key in optim})
 
 
 def force_overflow(rt, name: str, index: int) -> None:

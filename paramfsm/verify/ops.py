@@ -267,9 +267,17 @@ class Save:
 @attrs.frozen(slots=True)
 class Restore:
     """Go back to the last :class:`Save` of the same kind: ``rt.load_full_state_dict(sd)`` (``full``), or
-    ``paramfsm.checkpoint.load(rt, path, optimizer=opt)`` (parameters and optimizer state), anywhere in a loop."""
+    ``paramfsm.checkpoint.load(rt, path, optimizer=opt)`` (parameters and optimizer state), anywhere in a loop.
+
+    ``plain``: the DCP checkpoint is loaded the way the README shows for plain DCP instead, in place into
+    the runtime's own state dicts: ``sd = rt.sharded_state_dict()`` with the optimizer's
+    ``paramfsm.checkpoint.sharded_optim_state_dict(rt, opt)``, ``dcp.load(sd, checkpoint_id=path)``, then
+    ``rt.load_sharded_state_dict`` and ``paramfsm.checkpoint.load_sharded_optim_state_dict``. A value of
+    those dicts that is a copy rather than a view of the shard would load nothing and raise nothing.
+    """
 
     full: bool
+    plain: bool = False
 
 
 @attrs.frozen(slots=True)

@@ -324,12 +324,13 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
     # Offload to disk: shards, their gradients and optimizer state paged in for each gather, accumulation and
     # unit's step, out after it, beside another run sharing the folder. An iteration, two micro-batches adding
     # into the paged-out gradients, two losses over a retained graph and a step, an in-place write inside
-    # rt.gathered, a DCP round trip with the optimizer state, a GAN iteration (one optimizer per part), and an
-    # iteration.
+    # rt.gathered, a DCP save with the optimizer state, an iteration, that checkpoint loaded back by plain DCP in
+    # place into the runtime's state dicts, a GAN iteration (one optimizer per part), and an iteration.
     (Config(offload="disk"), (("iteration", 0, 0, False), ("accumulate", 0, 1, False),
                               ("multi_loss", 0, 0, False), ("step", 0, 0, False),
                               ("gathered_write", 0, 1, True), ("save_restore", 0, 0, False),
-                              ("iteration", 1, 1, False), ("gan", 0, 1, True), ("iteration", 2, 2, False))),
+                              ("iteration", 1, 1, False), ("save_restore", 0, 1, True),
+                              ("gan", 0, 1, True), ("iteration", 2, 2, False))),
     # A loss that reads another output on each rank (each rank's backward differentiates its own): rank 0's
     # from one batch's output, rank 1's from another's (the same units in the same order: it must train like
     # plain torch), a step; rank 0's from the root output, rank 1's from a unit run again on that forward's

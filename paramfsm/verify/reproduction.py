@@ -85,6 +85,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         *(["from math import inf"] if "Clip" in used else []),
         "",
         "import torch",
+        *(["import torch.distributed.checkpoint as dcp"]
+          if any(isinstance(op, Restore) and op.plain for op in program.ops) else []),
         "from torch.utils.checkpoint import checkpoint",
         "",
         "import paramfsm",
@@ -316,6 +318,13 @@ def _render_user_loop_op(op, seen: set[int], script: _Script) -> list[str]:
     if isinstance(op, Restore):
         if op.full:
             return ["rt.load_full_state_dict(saved_sd)"]
+        if op.plain:  # paramfsm.verify.loop_helpers.load_plain_dcp, written out
+            return [f"for i, o in {optimizers}:",
+                    "    model_sd, optim_sd = rt.sharded_state_dict(), paramfsm.checkpoint.sharded_optim_state_dict(rt, o)",
+                    "    loaded = {**model_sd, **optim_sd}",
+                    '    dcp.load(loaded, checkpoint_id=f"{saved_path}/{i}")',
+                    "    rt.load_sharded_state_dict({k: loaded[k] for k in model_sd})",
+                    "    paramfsm.checkpoint.load_sharded_optim_state_dict(rt, o, {k: loaded[k] for k in optim_sd})"]
         return [f"for i, o in {optimizers}:", '    paramfsm.checkpoint.load(rt, f"{saved_path}/{i}", optimizer=o)']
     raise TypeError(f"not a program op: {op!r}")
 

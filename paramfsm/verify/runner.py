@@ -74,7 +74,8 @@ from paramfsm.verify.ops import (
 )
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
-    SCALER, another_run, compute_dtype, force_overflow, offload_policy, perturbed, reentrant_blocks, reshard_policy,
+    SCALER, another_run, compute_dtype, force_overflow, load_plain_dcp, offload_policy, perturbed, reentrant_blocks,
+    reshard_policy,
 )
 
 
@@ -277,6 +278,9 @@ class Run:
             self.check.sharded(rt.sharded_state_dict())
         elif isinstance(op, Restore) and op.full:
             rt.load_full_state_dict(self.kept[True])
+        elif isinstance(op, Restore) and op.plain:
+            for i, opt in enumerate(self.opts):
+                load_plain_dcp(rt, opt, f"{self.kept[False]}/{i}")
         elif isinstance(op, Restore):
             for i, opt in enumerate(self.opts):
                 paramfsm.checkpoint.load(rt, f"{self.kept[False]}/{i}", optimizer=opt)

@@ -273,7 +273,7 @@ class UserLoopIntents:
             if not restore:
                 return
             self.apply("iteration", a, b, False)
-        self.ops.append(Restore(full))
+        self.ops.append(Restore(full, plain=not full and bool(b % 2)))
         self.modified()
 
     def gathered_write(self, a: int, b: int, variant: bool) -> None:

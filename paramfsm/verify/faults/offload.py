@@ -1,5 +1,5 @@
 """Catalogued bugs of offload: a page-in skipped, a write-back lost, a tier copy read after a step, an
-accumulated gradient dropped unwritten, a disk file shared with another run.
+accumulated gradient dropped unwritten, a disk file shared with another run, a state dict of copies.
 
 Each function returns a context manager that patches one function of the
 residency schedule or the pager for the duration of the block (see
@@ -12,13 +12,16 @@ comparison of the parameters after the next step. The fourth and fifth also
 pass every check inside the runtime: the program's micro-batches added into
 paged-out gradients, and a second run sharing the disk tier's folder
 (:func:`paramfsm.verify.loop_helpers.another_run`), make the next step or
-gather differ from plain torch.
+gather differ from plain torch. The sixth loads nothing and raises nothing: the
+program's plain DCP restore leaves the parameters where the iteration before it
+took them, and the reference comparison after it finds them.
 """
 
 from __future__ import annotations
 
 import os
 
+import paramfsm.checkpoint as ck
 from paramfsm.engine.effects.paging import Pager
 from paramfsm.engine.schedule.grad_paging import GradPaging
 from paramfsm.engine.schedule.residency import Residency
@@ -86,6 +89,15 @@ def tier_file_shared():
     return patched(tiers.DiskTier, "__init__", make)
 
 
+def state_dict_copies():
+    """``rt.sharded_state_dict()`` hands out the pieces of a streaming save, which read the tier into copies."""
+    def make(original):
+        def sharded_state_dict(rt, layout="model"):
+            return ck._model_state(rt, layout, streaming=True)  # the bug: a save's copies, not views to load into
+        return sharded_state_dict
+    return patched(ck, "sharded_state_dict", make)
+
+
 #: The entries, as the fields of :class:`~paramfsm.verify.faults.catalogue.Fault` (name, bug, source, kind,
 #: inject); the catalogue lists them after its own.
 OFFLOAD = (
@@ -121,4 +133,11 @@ OFFLOAD = (
      "files are named by rank and parameter, so two jobs given one nvme_path overwrite each other's swap "
      "files (microsoft/DeepSpeed offload_param to nvme)",
      "correctness", tier_file_shared),
+    ("state_dict_copies",
+     "under offload, rt.sharded_state_dict() holds copies read from the tier instead of views of the shards, "
+     "so a plain DCP load into it (the documented way) fills the copies and the model keeps its old values",
+     "paramfsm #36 (introduced while streaming checkpoint saves through the tier, found in review); the closest "
+     "elsewhere is torch.distributed.checkpoint's in-place load contract (pytorch/pytorch, "
+     "torch.distributed.checkpoint.load: state_dict values are loaded in place)",
+     "correctness", state_dict_copies),
 )
