@@ -228,7 +228,9 @@ def load_plain_dcp(rt, optimizer, path: str) -> None:
 
     model, optim = rt.sharded_state_dict(), ck.sharded_optim_state_dict(rt, optimizer)
     loaded = {**model, **optim}
-    dcp.load(loaded, checkpoint_id=path)  # tensors in place; other values (param_groups) replaced in ``loaded``
+    # Tensors in place; other values (param_groups) replaced in ``loaded``. On the runtime's own group: a rank
+    # that stops before this load must not leave the other waiting in a collective of the default group.
+    dcp.load(loaded, checkpoint_id=path, process_group=ck._dcp_group(rt))
     rt.load_sharded_state_dict({key: loaded[key] for key in model})
     ck.load_sharded_optim_state_dict(rt, optimizer, {key: loaded[key] for key in optim})
 
