@@ -180,17 +180,7 @@ class Executor(Gathers):
 
     # ------------------------------------------------------------------ reduce
     def take_grad(self, records) -> None:
-        """The reduce_grad effect: move each ``param.grad`` into the pending reduce bucket (on one rank,
-        with nothing kept under rt.no_sync and no gradient offloaded, straight into ``shard.grad``)."""
-        if self.local and self.grad_paging is None and not self.unsynced:
-            accumulate = self._accumulate
-            for rec in records:
-                param = rec.param
-                grad = real_grad(param)
-                if grad is not None:
-                    set_real_grad(param, None)
-                    accumulate(rec, (grad if not grad.requires_grad else grad.detach()).reshape(-1))
-            return
+        """The reduce_grad effect: move each ``param.grad`` into the pending reduce bucket."""
         for rec in records:
             grad = real_grad(rec.param)
             if grad is None:

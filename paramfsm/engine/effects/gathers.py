@@ -83,10 +83,8 @@ class Gathers:
                     self.start_gather(tuple(group))
                 return
         if self.local:
-            local_full = self._local_full
             for rec in records:
-                view = rec.local_view  # the common case of _local_full, inlined: once per parameter per fetch
-                rec.staged = view if view is not None and dtype is None else local_full(rec, dtype)
+                rec.staged = self._local_full(rec, dtype)
             gather = Gather(records, None)
         else:
             first = records[0].shard

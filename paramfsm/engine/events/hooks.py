@@ -282,8 +282,7 @@ def _post_forward(emit, unit, chain, module, args, output):
 
 
 def _on_grad_accumulated(emit, record, param):
-    task = gt.current_task()  # gt.backward_task(), inlined: this hook runs once per parameter per backward
-    emit(Event(GRAD_READY, None, gt.ANONYMOUS if task == gt.NO_TASK else task, gt.keeps_graph(), record))
+    emit(Event(GRAD_READY, None, gt.backward_task(), gt.keeps_graph(), record))
 
 
 def _root_forward_begin(emit, chain, module, args) -> None:
