@@ -16,6 +16,7 @@ traceback. A run that exceeds its timeout is treated the same way.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import socket
@@ -55,6 +56,12 @@ def _worker(rank: int, world: int, port: int, conn, sys_path: list[str], threads
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world)
+        # [Note: a rank's start-up heap is frozen]
+        # What the rank holds once it has started (torch's modules, the default group) lives as long as the
+        # rank. Freezing it takes it out of every later collection, which then walks only what the jobs made:
+        # a full collection of torch's heap takes 0.15 s here, after the freeze a few milliseconds, and jobs
+        # that end in a collection (paramfsm.verify.runner.run_program) run one per program.
+        gc.freeze()
         conn.send(("ready", None))
     except Exception:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", traceback.format_exc()))

@@ -46,7 +46,10 @@ from paramfsm.engine.effects.grad_sync import UNSYNCED
 from paramfsm.engine.storage.partitioned import OWNERS, record_of
 from paramfsm.errors import ParamFSMError
 
-# optimizer -> (sharding generation, param groups scanned, whether it steps shards, the shards' writers)
+# optimizer -> (sharding generation, param groups scanned, whether it steps shards, the shards' writers as
+# (a weak reference to the scheduler, its records)): weak, since a runtime holds its model, its process group and,
+# through the parameters' hooks, often the optimizer that keys this table (see [Note: the demand table holds
+# nothing alive] in paramfsm.engine.storage.placeholder)
 _MAPPED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
 #: every shard of every sharded model -> (a weak reference to its scheduler, the index of its record
 #: there): to tell a shard optimizer, and
@@ -123,7 +126,7 @@ def _map(optimizer):
     pairs its step writes, or None when it steps no shard."""
     seen = _MAPPED.get(optimizer)
     if seen is not None and seen[:2] == (_generation, len(optimizer.param_groups)):
-        return seen[3] if seen[2] else None
+        return _alive(seen[3]) if seen[2] else None
     if not OWNERS:
         return None
     fresh = seen is None or seen[0] != _generation
@@ -136,8 +139,19 @@ def _map(optimizer):
             sharded = True
         sharded = sharded or any(p in _SHARDS for p in params)
     writers = _writers(optimizer) if sharded else ()
-    _MAPPED[optimizer] = (_generation, len(optimizer.param_groups), sharded, writers)
+    _MAPPED[optimizer] = (_generation, len(optimizer.param_groups), sharded,
+                          tuple((weakref.ref(scheduler), records) for scheduler, records in writers))
     return writers if sharded else None
+
+
+def _alive(writers) -> tuple:
+    """The cached ``writers`` whose runtime still exists, with their schedulers."""
+    out = []
+    for ref, records in writers:
+        scheduler = ref()
+        if scheduler is not None:
+            out.append((scheduler, records))
+    return tuple(out)
 
 
 def _step_offloaded(optimizer, writers, args, kwargs) -> None:

@@ -34,6 +34,10 @@ def _forget(rt) -> None:
     SHARDED.pop(rt.model, None)
     for rec in rt._by_id.values():
         PARTITIONED.pop(rec.param, None)
+    placeholder.forget_demands(rt._by_id.values())
+    saves = sys.modules.get("paramfsm.checkpoint.background")
+    if saves is not None:
+        saves.release_group(rt)
 
 
 def _page_in(rt, strict: bool = True) -> None:

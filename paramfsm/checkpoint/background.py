@@ -168,3 +168,14 @@ def background_group(rt, group):
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         made = _groups[rt] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
     return made
+
+
+def release_group(rt) -> None:
+    """Destroy the runtime's background-save group (``rt.close()`` / ``rt.detach()``), unless a save still
+    writes on it: a group left registered keeps its gloo threads and sockets for the life of the process."""
+    handle = _pending.get(rt)
+    if handle is not None and not handle.done():
+        return
+    made = _groups.pop(rt, None)
+    if made is not None and made in dist.distributed_c10d._world.pg_map:
+        dist.destroy_process_group(made)

@@ -171,7 +171,7 @@ class _Issuer:
     def _hand_over(self, jobs: list) -> None:
         if self._queue is None:
             self._queue, checks, done = queue.SimpleQueue(), queue.SimpleQueue(), [0]
-            refusals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> its latest Refused
+            refusals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> its latest refusal's fields
             for target, args in ((self._run, (self._queue, checks, refusals, done)),
                                  (self._check, (checks, refusals, done))):
                 threading.Thread(target=target, args=args, name="paramfsm-exchange", daemon=True).start()
@@ -206,6 +206,7 @@ class _Issuer:
                 else:
                     handed += 1
                     checks.put(batch)
+            batch = None  # hold no finished batch (nor its group) while idle
 
     @staticmethod
     def _check(checks: queue.SimpleQueue, refusals, done: list) -> None:
@@ -244,7 +245,7 @@ class _Batch:
     """Jobs handed over together and, where their group agrees sizes, how ("header", "follow", "deviate")."""
 
     __slots__ = ("jobs", "mode", "group", "key", "rank", "peers", "tag", "epoch", "header", "expected",
-                 "anchor", "rows", "works", "scratch", "settled", "verdict")
+                 "anchor", "rows", "works", "scratch", "settled", "verdict", "__weakref__")
 
     def __init__(self, jobs: list, first: Job | None = None, key=None):
         self.jobs, self.mode, self.key, self.settled, self.verdict = jobs, None, key, False, None
@@ -257,7 +258,7 @@ class _Batch:
         self.epoch = agreement.epoch
         self.mode, self.expected, self.header = agreement.place(
             self, self.jobs[0].kind, tuple(job.shape for job in self.jobs), fields)
-        self.anchor = agreement.anchor
+        self.anchor = agreement.anchor  # weakly: [Note: a group's agreement holds no batch alive]
         for job in self.jobs:
             job.batch = self
         if self.mode == "follow":  # the messages a peer's marker would end: [Note: a repeating sequence ...]
@@ -271,13 +272,14 @@ class _Batch:
         """Whether the batch can go now: its peers' headers are in, or its run's header has agreed."""
         if self.mode == "header":
             return not isinstance(self.works, list) or all(work.is_completed() for work in self.works)
-        return self.mode is None or self.anchor.settled
+        anchor = self.anchor() if self.mode is not None else None
+        return anchor is None or anchor.settled
 
     def agree(self, refusals) -> "BaseException | None":
         """None if the batch may move, else the refusal (at once in an epoch refused before)."""
         earlier = refusals.get(self.key) if self.mode is not None else None
-        if earlier is not None and earlier.epoch == self.epoch:
-            return earlier
+        if earlier is not None and earlier[1] == self.epoch:
+            return Refused(*earlier)
         if self.mode != "header":
             return None
         if isinstance(self.works, BaseException):
@@ -288,8 +290,8 @@ class _Batch:
 
     def refuse(self, rows, refusals=None) -> Refused:
         refused = Refused(rows, self.epoch, (self.tag + 1) % _TAG_SPACE)
-        if refusals is not None:
-            refusals[self.key] = refused
+        if refusals is not None:  # its fields, not the exception: a raised one holds frames that hold the group
+            refusals[self.key] = (rows, self.epoch, refused.restart)
         return refused
 
     def post(self, refused) -> None:

@@ -84,6 +84,7 @@ epoch's batch raises :class:`Dropped` at once, which recovery drops.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections import deque
 from concurrent.futures import Future
 
@@ -336,7 +337,16 @@ def verify(batch, job, timeout, again) -> None:
 
 class Agreement:
     """One group's batches as the ranks agreed them, and the run announced (see [Note: a repeating
-    sequence needs no header]); also its epoch ([Note: after a refusal the ranks restart in step])."""
+    sequence needs no header]); also its epoch ([Note: after a refusal the ranks restart in step]).
+
+    [Note: a group's agreement holds no batch alive]
+    Agreements are kept per group, weakly keyed by the group (``exchange.PerGroup``). A batch holds its group
+    (and its jobs' ops name it), so an agreement that held the batch announcing its run kept its own key alive:
+    no destroyed group was ever freed, and each kept gloo's threads and sockets (three threads a group; a
+    ``paramfsm verify`` of a few hundred programs ended with thousands). The agreement and the batches that
+    follow the run therefore hold the announcing batch weakly. Until it is settled the exchange thread holds it;
+    once it is gone it was settled, which is all its followers ask of it.
+    """
 
     __slots__ = ("on", "epoch", "history", "seen", "run", "anchor")
 
@@ -357,7 +367,7 @@ class Agreement:
         self.history: list[Entry] = []
         self.seen: dict = {}  # key -> its last two places in history
         self.run: deque = deque()
-        self.anchor = None  # the batch whose header announced the run
+        self.anchor = None  # a weak reference to the batch whose header announced the run
 
     def place(self, batch, kind: int, shape: tuple, fields) -> tuple[str, Entry | None, list]:
         """Where ``batch`` stands: ("header", None, header) or, inside a run, ("follow" | "deviate",
@@ -375,7 +385,7 @@ class Agreement:
             run = self._predict(key)
             if run:
                 header[5:7] = [len(run), hash(tuple(entry.key for entry in run))]
-                self.run, self.anchor = deque(run), batch
+                self.run, self.anchor = deque(run), weakref.ref(batch)
         places = self.seen.setdefault(key, [])
         places[:] = places[-1:] + [len(self.history)]
         self.history.append(Entry(key, shape, header))

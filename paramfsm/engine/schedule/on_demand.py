@@ -62,7 +62,8 @@ class OnDemand:
     asks the graph tasks and the holds how many holders a unit has.
     """
 
-    __slots__ = ("_mine", "_accepting", "_emit", "_step", "_prefetch", "_graph", "_holds", "forwards", "warned")
+    __slots__ = ("_mine", "_accepting", "_emit", "_step", "_prefetch", "_graph", "_holds", "forwards", "warned",
+                 "__weakref__")  # the placeholders hold its demand weakly: [Note: the demand table holds nothing alive]
 
     def __init__(self, mine, accepting, emit, step, prefetch, holds):
         self._mine, self._accepting, self._emit, self._step = mine, accepting, emit, step

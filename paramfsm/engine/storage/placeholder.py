@@ -41,6 +41,9 @@ copies the empty placeholders.
 
 from __future__ import annotations
 
+import types
+import weakref
+
 import torch
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils.weak import WeakIdKeyDictionary
@@ -196,18 +199,33 @@ class NotGatheredData(torch.Tensor):
     __reduce_ex__ = _refuse_pickle
 
 
-#: partitioned parameter -> the scheduler's ``demand(param) -> bool`` (weakly keyed: never keeps a model
-#: alive). The schedule installs it (:mod:`paramfsm.engine.schedule.on_demand`); storage never imports it.
+#: partitioned parameter -> a weak reference to the scheduler's ``demand(param) -> bool``. The schedule installs
+#: it (:mod:`paramfsm.engine.schedule.on_demand`); storage never imports it.
+#:
+#: [Note: the demand table holds nothing alive]
+#: The table is module-global. A strong value would be a bound method of the runtime's schedule, which holds the
+#: runtime, its model and its process group, and so the very parameter that keys it: a weak key that its own value
+#: keeps alive is never dropped, and every runtime ever built (and its gloo group's threads) lived until the
+#: process ended. So the key is weak, the value is a ``WeakMethod``, and ``rt.close()`` / ``rt.detach()`` remove
+#: their entries (:func:`forget_demands`).
 DEMANDS = WeakIdKeyDictionary()
 
 
 def answer_demands(records, demand) -> None:
     """Let the placeholders of ``records`` ask ``demand`` for an on-demand gather before raising NotGathered."""
+    ref = weakref.WeakMethod(demand) if isinstance(demand, types.MethodType) else (lambda: demand)
     for rec in records:
-        DEMANDS[rec.param] = demand
+        DEMANDS[rec.param] = ref
+
+
+def forget_demands(records) -> None:
+    """Remove the on-demand entries of ``records`` (the runtime that answered them is closing)."""
+    for rec in records:
+        DEMANDS.pop(rec.param, None)
 
 
 def _gather_on_demand(param) -> bool:
     """Gather the empty parameter ``param`` for the unit reading it; False when no unit is running."""
-    demand = DEMANDS.get(param)
+    ref = DEMANDS.get(param)
+    demand = ref() if ref is not None else None
     return demand is not None and demand(param)
