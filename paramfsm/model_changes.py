@@ -103,6 +103,7 @@ def forget(found: Watch, model: nn.Module) -> None:
     for module in model.modules():
         if _WATCHED.get(module) is found:
             del _WATCHED[module]
+    _disarm()
 
 
 def _on_parameter(module, name, param):
@@ -126,6 +127,15 @@ def _arm() -> None:
     global _forward_hook
     if _forward_hook is None:
         _forward_hook = register_module_forward_pre_hook(eager(_refuse_changed))
+
+
+def _disarm() -> None:
+    """Remove the global forward hook once no watched model has a change to refuse: it costs every module of the
+    process a call per forward, and ``torch.compile`` warns about any global module hook."""
+    global _forward_hook
+    if _forward_hook is not None and not any(found.changes and not found.closed for found in set(_WATCHED.values())):
+        _forward_hook.remove()
+        _forward_hook = None
 
 
 def _refuse_changed(module, args) -> None:

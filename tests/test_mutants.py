@@ -1,4 +1,9 @@
-"""The fault catalogue: every real lifetime bug in it must be killed by ``paramfsm verify`` within the CI budget."""
+"""The fault catalogue: every real lifetime bug in it must be killed by ``paramfsm verify`` within the CI budget.
+
+The tests that run the catalogue on ranks carry the ``catalogue`` mark: they take about five minutes of two
+cores, so ``make test`` leaves them out and ``make test-catalogue`` runs them, in halves on two test processes,
+as its own step of every CI run.
+"""
 
 from __future__ import annotations
 
@@ -75,12 +80,26 @@ def test_an_unknown_fault_is_named():
             pass
 
 
-@pytest.fixture(scope="module")
-def catalogue(ranks2):
-    """The baseline and one verification per catalogued fault (run once for the tests below)."""
-    return run_catalogue(examples=examples_from_env(CI_EXAMPLES), pool=ranks2)
+#: The catalogue runs in two halves, each in its own test process under ``make test-catalogue`` (pytest-xdist
+#: groups), each with the baselines of its own faults' subjects.
+HALVES = [pytest.param(half, marks=pytest.mark.xdist_group(f"catalogue-{half}"), id=f"half{half}") for half in (0, 1)]
 
 
+def half_of(half: int) -> tuple:
+    return faults.CATALOGUE[half::2]
+
+
+@pytest.fixture(scope="module", params=HALVES)
+def catalogue(request, ranks2):
+    """The baselines and one verification per catalogued fault of one half (run once for the tests below)."""
+    return run_catalogue(examples=examples_from_env(CI_EXAMPLES), pool=ranks2, faults=half_of(request.param))
+
+
+def test_the_halves_cover_the_catalogue():
+    assert sorted(f.name for half in (0, 1) for f in half_of(half)) == sorted(faults.FAULTS)
+
+
+@pytest.mark.catalogue
 def test_every_fault_is_killed(catalogue):
     problem, rows = catalogue
     assert problem is None, problem
@@ -92,6 +111,7 @@ def test_every_fault_is_killed(catalogue):
     assert not harness_crashes, table
 
 
+@pytest.mark.catalogue
 def test_every_saved_reproduction_fails_with_the_check(catalogue, ranks2, tmp_path):
     """Each fault's reproduction, saved to a file, exits 1 with the message of the check verify failed,
     and exits 0 once the bug is gone (the same script with ``FAULT = None``)."""
@@ -114,13 +134,14 @@ def test_every_saved_reproduction_fails_with_the_check(catalogue, ranks2, tmp_pa
         assert ranks2.run(run_saved, str(fixed), timeout=120) == [(0, ""), (0, "")], row.fault.name
 
 
-def test_drawn_programs_alone_kill_the_direct_faults(catalogue, ranks2):
+@pytest.mark.catalogue
+@pytest.mark.xdist_group("catalogue-drawn")
+def test_drawn_programs_alone_kill_the_direct_faults(ranks2):
     """Without the canonical patterns, the search itself finds the faults any training loop trips.
 
     The user-loop ops spread the draws over more kinds of op, so a retained backward followed by a
     second one comes later than it did: the search gets DRAWN_EXAMPLES programs, and its own baseline
     (the same drawn programs on the unmutated code) runs first."""
-    assert catalogue[0] is None, catalogue[0]
     direct = [f for f in faults.CATALOGUE if f.name in (
         "tied_reduced_twice", "release_before_last_holder", "grads_summed_not_averaged", "released_data_not_emptied",
         "no_grad_forward_left_gathered", "release_in_retained_window", "recompute_not_gathered")]
@@ -130,19 +151,27 @@ def test_drawn_programs_alone_kill_the_direct_faults(catalogue, ranks2):
     assert all(row.killed and row.check != "crash" for row in rows), format_table(rows)
 
 
+TRACED = {"snapshot_accepted_anywhere", "ring_window_forgets_idle"}
+
+
+def test_the_faults_killed_through_trace_check_are_named():
+    assert {fault.name for fault in faults.CATALOGUE if fault.trace_scenario is not None} == TRACED
+
+
 def test_mutants_lists_the_catalogue(capsys):
     assert main(["--list"]) == 0
     out = capsys.readouterr().out
     assert all(fault.name in out for fault in faults.CATALOGUE)
 
 
+@pytest.mark.catalogue
 def test_faults_in_what_trace_check_reads_are_killed_through_trace_check(catalogue):
     """A spliced snapshot and a ring that forgets an idle leak: each scenario's trace is rejected by
     ``paramfsm trace check`` on the unmutated code and accepted with the fault, so the row says killed."""
     problem, rows = catalogue
     assert problem is None, problem
     traced = [row for row in rows if row.fault.trace_scenario is not None]
-    assert {row.fault.name for row in traced} == {"snapshot_accepted_anywhere", "ring_window_forgets_idle"}
+    assert {row.fault.name for row in traced} == {row.fault.name for row in rows} & TRACED
     for row in traced:
         assert row.killed and row.check == "trace check", format_table(rows)
         assert trace_check(row.fault, None) == 1 and trace_check(row.fault, row.fault.name) == 0

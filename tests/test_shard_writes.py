@@ -249,6 +249,27 @@ def _changed_after_shard(rank, world):
     return out
 
 
+def _global_hooks_after_a_refused_change(rank, world):
+    from torch.nn.modules import module as torch_module
+
+    before = len(torch_module._global_forward_pre_hooks)
+    model = _pair()
+    rt = paramfsm.shard(model)
+    model.gain = nn.Parameter(torch.ones(4))
+    armed = len(torch_module._global_forward_pre_hooks)
+    with pytest.raises(ModelChanged):
+        model(rank_slice(_batch(world), rank, world))
+    rt.detach()
+    return before, armed, len(torch_module._global_forward_pre_hooks)
+
+
+def test_a_refused_change_leaves_no_global_module_hook_once_its_runtime_is_gone(ranks2):
+    """The hook that refuses a changed model's forward runs for every module of the process (and makes
+    ``torch.compile`` warn): it goes once no runtime has a change left to refuse."""
+    for before, armed, after in ranks2.run(_global_hooks_after_a_refused_change):
+        assert armed == before + 1 and after == before, (before, armed, after)
+
+
 def test_a_parameter_changed_after_shard_is_refused_at_the_next_forward(ranks2):
     for rank, out in enumerate(ranks2.run(_changed_after_shard)):
         assert "parameter 'a.weight' (module 'a') was added or replaced" in out["replaced"]

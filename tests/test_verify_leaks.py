@@ -46,11 +46,12 @@ def _stall_before(op_index: int, seconds: float):
 
 
 def program_job(rank, world, program, options, stall):
-    """One verify program on this rank; ``stall``: the runtime's collectives time out after 1 s, and rank 1
-    sleeps 1.5 s before the first op, a forward that gathers (the harness's own agreements keep the group's longer limit)."""
-    original = _stall_before(0, 1.5) if stall and rank == 1 else None
+    """One verify program on this rank; ``stall``: the runtime's collectives time out after 0.5 s, and rank 1
+    sleeps 0.8 s before the first op, a forward that gathers (the harness's own agreements keep the group's
+    longer limit)."""
+    original = _stall_before(0, 0.8) if stall and rank == 1 else None
     if stall:
-        os.environ[TIMEOUT_ENV] = "1"
+        os.environ[TIMEOUT_ENV] = "0.5"
     try:
         outcome = runner.run_program(rank, world, SUBJECT, program, options)
     finally:
@@ -95,8 +96,8 @@ def test_verify_programs_of_every_outcome_leak_no_group_thread_or_descriptor():
             run(case)
         before = pool.run(_counts)
         for i in range(50 - len(cases)):
-            # Timeouts cost seconds each: one round in eight has one.
-            run(cases[i % 3] if i % 8 != 7 else cases[3])
+            # A timeout costs seconds: every 16th program is one.
+            run(cases[i % 3] if i % 16 != 15 else cases[3])
         after = pool.run(_counts)
     assert "desync" in seen and any(kind not in ("", "desync") for kind in seen), seen
     for rank, ((threads0, fds0), (threads1, fds1)) in enumerate(zip(before, after)):

@@ -316,10 +316,15 @@ def run_program(rank: int, world: int, factory, program: Program, options: Optio
     and then the collector runs: a runtime's schedule, hooks and model refer to each other, and only the cyclic
     collector frees them and with them the last reference to the group. Until that reference goes, gloo keeps
     the group's threads (three) and sockets alive; a verify of a few hundred programs otherwise ended with
-    thousands of threads in each rank. A rank of a :class:`~paramfsm.launch.RankPool` froze the heap it started
-    with (see [Note: a rank's start-up heap is frozen] there), so this collection walks only what was made
-    since. ``tests/test_verify_leaks.py`` holds every outcome to flat counts.
+    thousands of threads in each rank. A full collection walks the whole heap of a rank that imported torch,
+    the model's libraries and Hypothesis (50 ms a program, a tenth of a small program's time), so before the
+    program starts what is alive is collected and frozen (``gc.freeze``), as a rank of a
+    :class:`~paramfsm.launch.RankPool` froze its start-up heap (see [Note: a rank's start-up heap is frozen]):
+    the collection at the end walks only what this program made. Nothing frozen can hold this program's group,
+    which does not exist yet. ``tests/test_verify_leaks.py`` holds every outcome to flat counts.
     """
+    gc.collect()
+    gc.freeze()
     group = dist.new_group(timeout=datetime.timedelta(seconds=options.timeout_s))
     try:
         return _run_on(group, rank, world, factory, program, options)
