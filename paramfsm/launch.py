@@ -113,8 +113,11 @@ class RankPool:
     """``world`` spawned ranks that run functions on request (see the module docstring)."""
 
     def __init__(self, world: int = 2, timeout: float = 300.0, threads: int | None = None, *,
-                 device: str = "cpu", backend: str | None = None):
+                 device: str = "cpu", backend: str | None = None, environ: dict[str, str] | None = None):
+        """``environ``: the ranks' environment (default: this process's at the pool's first run, when the
+        ranks start; a test suite passes its own, so that what a test patched then does not reach them)."""
         self.world, self.timeout = world, timeout
+        self.environ = None if environ is None else dict(environ)
         self.device = device
         self.backend = backend or ("nccl" if device == "cuda" else "gloo")
         self.threads = threads or max(1, (os.cpu_count() or 2) // world)
@@ -127,7 +130,7 @@ class RankPool:
         for rank in range(self.world):
             parent, child = ctx.Pipe()
             args = (rank, self.world, port, child, list(sys.path), self.threads, self.backend, self.device,
-                    dict(os.environ))
+                    dict(os.environ) if self.environ is None else self.environ)
             proc = ctx.Process(target=_worker, args=args, daemon=True)
             proc.start()
             self._procs.append(proc)

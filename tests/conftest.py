@@ -17,31 +17,34 @@ os.environ.setdefault("PARAMFSM_TRACE_DIR", tempfile.mkdtemp(prefix="paramfsm-du
 # declared block) everywhere. The tests of the default itself (tests/test_default_units_*.py) clear
 # it in-process and pass min_unit_bytes to ranks; rank pools inherit the variable.
 os.environ["PARAMFSM_MIN_UNIT_BYTES"] = "0"
+#: The ranks' environment, fixed here: a pool starts at its first use, and a test that patches the environment
+#: (the default-unit tests clear the variable above) must not decide what every later test's ranks see.
+SUITE_ENVIRON = dict(os.environ)
 
 
 @pytest.fixture(scope="session")
 def ranks2():
     """Two gloo ranks on 127.0.0.1, shared by every test of the run."""
-    with RankPool(2, timeout=180) as pool:
+    with RankPool(2, timeout=180, environ=SUITE_ENVIRON) as pool:
         yield pool
 
 
 @pytest.fixture(scope="session")
 def ranks3():
     """Three gloo ranks on 127.0.0.1."""
-    with RankPool(3, timeout=180) as pool:
+    with RankPool(3, timeout=180, environ=SUITE_ENVIRON) as pool:
         yield pool
 
 
 @pytest.fixture(scope="session")
 def ranks1():
     """One gloo rank (world size 1), e.g. to reload a checkpoint saved on more ranks."""
-    with RankPool(1, timeout=180) as pool:
+    with RankPool(1, timeout=180, environ=SUITE_ENVIRON) as pool:
         yield pool
 
 
 @pytest.fixture(scope="session")
 def ranks4():
     """Four gloo ranks (the most the suite spawns): a 2 x 2 device mesh for hybrid sharding."""
-    with RankPool(4, timeout=180) as pool:
+    with RankPool(4, timeout=180, environ=SUITE_ENVIRON) as pool:
         yield pool

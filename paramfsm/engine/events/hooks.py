@@ -102,7 +102,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from paramfsm.engine.events import graph_task as gt
-from paramfsm.engine.events import higher_order, outputs, reached
+from paramfsm.engine.events import higher_order, members, outputs, reached
 from paramfsm.engine.events.compile_guard import eager
 from paramfsm.engine.events.events import (
     FORWARD_BEGIN, FORWARD_END, FORWARD_FAILED, GRAD_READY, POST_BACKWARD, POST_FORWARD, PRE_BACKWARD,
@@ -130,7 +130,7 @@ class _PostBackward(torch.autograd.Function):
 class _Chain:
     """The last unit output seen in forward (see [Note: a chain of units shares one hook])."""
 
-    __slots__ = ("node", "call", "open", "task", "nested", "reached", "handles")
+    __slots__ = ("node", "call", "open", "task", "nested", "reached", "handles", "running")
 
     def __init__(self):
         self.node = self.call = None
@@ -141,6 +141,7 @@ class _Chain:
         # see [Note: a backward that enters a unit from inside] in paramfsm.engine.events.reached.
         self.reached: dict = {}
         self.handles: list = []
+        self.running = members.Running()  # calls of units with members in progress (paramfsm.engine.events.members)
 
 
 def _on_output_grad(call: ForwardCall, grad_outputs):
@@ -301,6 +302,7 @@ def _root_forward_begin(emit, chain, module, args) -> None:
         chain.nested += 1
         return
     chain.open, chain.task, chain.nested = True, task, 0
+    chain.running.reset()
     emit(Event(FORWARD_BEGIN, None, task))
 
 
@@ -323,13 +325,19 @@ def _root_forward_end(emit, chain, module, args, output) -> None:
 def install(root: torch.nn.Module, units, records, emit) -> list:
     """Register every hook; returns the handles so ``rt.close()`` can remove them."""
     chain = _Chain()
+    found = members.members(root, units)  # [Note: a merged module called on its own is its unit's call]
+    with_members = {unit for _, unit in found}
     handles = [  # every hook opaque to torch.compile: [Note: hooks are opaque to Dynamo]
         root.register_forward_pre_hook(eager(partial(_root_forward_begin, emit, chain))),
     ]
+    hooks_of = {}
     for unit in units:
-        handles.append(unit.module.register_forward_pre_hook(
-            eager(partial(_pre_forward, emit, unit, chain)), with_kwargs=True))
-        handles.append(unit.module.register_forward_hook(eager(partial(_post_forward, emit, unit, chain))))
+        pre, post = partial(_pre_forward, emit, unit, chain), partial(_post_forward, emit, unit, chain)
+        if unit in with_members:
+            pre, post = hooks_of[unit] = members.counted(chain.running, unit, pre, post)
+        handles.append(unit.module.register_forward_pre_hook(eager(pre), with_kwargs=True))
+        handles.append(unit.module.register_forward_hook(eager(post)))
+    handles += members.install(found, chain.running, hooks_of)
     handles.append(root.register_forward_hook(eager(partial(_root_forward_end, emit, chain)), always_call=True))
     for rec in records:
         if rec.requires_grad:

@@ -40,13 +40,13 @@ class _NodeHook:
 
 
 def parents(units) -> dict:
-    """The units that call other units, each with its parameters that require grad (see [Note: a backward
-    that enters a unit from inside])."""
+    """The units that call other units, each with its parameters (see [Note: a backward that enters a unit
+    from inside]); frozen ones too, since a parameter can be unfrozen after ``shard()``."""
     modules = {id(unit.module) for unit in units}
     out, seen = {}, set()
     for unit in units:
         if any(id(m) in modules for m in unit.module.modules() if m is not unit.module):
-            records = [rec for rec in unit.records if rec.requires_grad and id(rec) not in seen]
+            records = [rec for rec in unit.records if id(rec) not in seen]
             seen.update(id(rec) for rec in records)
             if records:
                 out[unit] = records
@@ -55,10 +55,20 @@ def parents(units) -> dict:
 
 def watch(emit, unit, chain) -> None:
     """Hook the ``AccumulateGrad`` of the parent unit's parameters, once, while they are gathered: the node
-    records the parameter's shape when it is made, so it must be made from the full parameter."""
+    records the parameter's shape when it is made, so it must be made from the full parameter.
+
+    A parameter that requires no gradient now (frozen, at ``shard()`` or since) has no ``AccumulateGrad``
+    node: it waits for a forward in which it requires one.
+    """
+    frozen = []
     for rec in chain.reached.pop(unit):
+        if not rec.param.requires_grad:
+            frozen.append(rec)
+            continue
         node = get_gradient_edge(rec.param).node
         chain.handles.append(_NodeHook(node, partial(_on_reached, emit, unit, rec)))
+    if frozen:
+        chain.reached[unit] = frozen
 
 
 def _on_reached(emit, unit, record, grad_outputs):

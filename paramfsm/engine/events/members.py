@@ -1,0 +1,123 @@
+"""Modules merged into a unit, called on their own: the unit's hooks run for the call.
+
+[Note: a merged module called on its own is its unit's call]
+Under the default units a small module is no unit: its parameters join the
+nearest enclosing unit (``min_unit_bytes``, :mod:`paramfsm.engine.storage.default_units`),
+the root at the latest. Inside its unit's forward that changes nothing: the
+unit is gathered while its forward runs. But a merged module is also called
+on its own, outside that forward: a reward or value head, an encoder run apart
+from its decoder, ``model.get_input_embeddings()(ids)``. Its parameters are
+then empty, and the call raised ``NotGathered``, where it worked when the
+module was a unit of its own.
+
+So each merged module that holds parameters of its unit (a *member*) carries
+the unit's forward hooks too, guarded by a count of the unit's calls in
+progress (:class:`Running`, the hooks' own bookkeeping, like the chain of
+:mod:`paramfsm.engine.events.hooks`): while the unit's own forward (or another
+member's call) runs, a member's hooks do nothing; otherwise the member's call
+is a call of its unit, with the unit's ``PRE_FORWARD`` and ``POST_FORWARD`` and
+the backward hooks on its inputs and outputs. The unit is gathered for the
+call and released after it, in forward, under ``no_grad``, inside another
+unit's forward and in the backward of the member's outputs, exactly as the
+module's own unit was. Only units with members pay for the count (a dict
+update per call), and a member's hooks return at once inside its unit.
+
+A member's call that raises emits no ``POST_FORWARD``, as a unit's does not:
+what it gathered stays until ``rt.reset()`` or the next forward. A unit's own
+forward that raises leaves it counted as running; the next root forward starts
+the counts afresh.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+from torch import nn
+
+from paramfsm.engine.events.compile_guard import eager
+
+
+class Running:
+    """Calls in progress of each unit that has members, and, per member, whether each of its calls in
+    progress is its unit's call."""
+
+    __slots__ = ("depth", "calls")
+
+    def __init__(self):
+        self.depth: dict = {}
+        self.calls: dict = {}
+
+    def reset(self) -> None:
+        for unit in self.depth:
+            self.depth[unit] = 0
+        self.calls.clear()
+
+
+def members(root: nn.Module, units) -> list[tuple[nn.Module, object]]:
+    """``(module, unit)`` for each module that is no unit but holds parameters of its enclosing unit."""
+    unit_of = {id(unit.module): unit for unit in units}
+    owned = {unit: {id(rec.param) for rec in unit.records} for unit in units}
+    found: list = []
+    seen: set = set()
+
+    def walk(module: nn.Module, unit) -> None:
+        for child in module.children():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            inner = unit_of.get(id(child))
+            if inner is not None:
+                walk(child, inner)
+                continue
+            if unit is not None and any(id(p) in owned[unit] for p in child.parameters()):
+                found.append((child, unit))
+            walk(child, unit)
+
+    seen.add(id(root))
+    walk(root, unit_of.get(id(root)))
+    return found
+
+
+def counted(running: Running, unit, pre, post) -> tuple:
+    """The unit's own pre- and post-forward hooks, counting its calls (for a unit with members)."""
+    running.depth[unit] = 0
+    return partial(_unit_pre, running, unit, pre), partial(_unit_post, running, unit, post)
+
+
+def _unit_pre(running, unit, pre, module, args, kwargs):
+    running.depth[unit] += 1
+    return pre(module, args, kwargs)
+
+
+def _unit_post(running, unit, post, module, args, output):
+    running.depth[unit] -= 1
+    return post(module, args, output)
+
+
+def install(found, running: Running, hooks_of: dict) -> list:
+    """Register each member's hooks (``hooks_of``: unit -> its counted pre- and post-forward hooks)."""
+    handles = []
+    for module, unit in found:
+        pre, post = hooks_of[unit]
+        handles.append(module.register_forward_pre_hook(eager(partial(_member_pre, running, unit, pre)),
+                                                        with_kwargs=True))
+        handles.append(module.register_forward_hook(eager(partial(_member_post, running, unit, post)),
+                                                    always_call=True))
+    return handles
+
+
+def _member_pre(running, unit, pre, module, args, kwargs):
+    own = not running.depth[unit]
+    running.calls.setdefault(id(module), []).append(own)
+    return pre(module, args, kwargs) if own else None
+
+
+def _member_post(running, unit, post, module, args, output=None):
+    calls = running.calls.get(id(module))
+    if not calls or not calls.pop():
+        return None
+    if output is None and sys.exc_info()[1] is not None:  # the call raised: no POST_FORWARD, as for a unit
+        running.depth[unit] -= 1
+        return None
+    return post(module, args, output)
