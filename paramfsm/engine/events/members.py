@@ -39,19 +39,19 @@ from paramfsm.engine.events.compile_guard import eager
 
 
 class Running:
-    """Calls in progress of each unit that has members, and, per member, whether each of its calls in
-    progress is its unit's call."""
+    """Calls in progress of each unit that has members, and the member whose call on its own is its unit's
+    call now (if any)."""
 
-    __slots__ = ("depth", "calls")
+    __slots__ = ("depth", "owner")
 
     def __init__(self):
         self.depth: dict = {}
-        self.calls: dict = {}
+        self.owner: dict = {}
 
     def reset(self) -> None:
         for unit in self.depth:
             self.depth[unit] = 0
-        self.calls.clear()
+        self.owner.clear()
 
 
 def members(root: nn.Module, units) -> list[tuple[nn.Module, object]]:
@@ -96,27 +96,42 @@ def _unit_post(running, unit, post, module, args, output):
 
 
 def install(found, running: Running, hooks_of: dict) -> list:
-    """Register each member's hooks (``hooks_of``: unit -> its counted pre- and post-forward hooks)."""
+    """Register each member's hooks (``hooks_of``: unit -> its counted pre- and post-forward hooks).
+
+    [Note: a member's hooks are traced inside a compiled unit]
+    The check that a member's unit is running is plain Python that Dynamo traces (it guards on the count), so a
+    compiled unit (``torch.compile(block.forward)``, or the whole model) runs its members' calls inside its graph
+    with no break. Only a member's call on its own takes the unit's hooks, which are opaque to Dynamo like every
+    hook of a unit ([Note: hooks are opaque to Dynamo] in :mod:`paramfsm.engine.events.compile_guard`).
+    """
     handles = []
     for module, unit in found:
         pre, post = hooks_of[unit]
-        handles.append(module.register_forward_pre_hook(eager(partial(_member_pre, running, unit, pre)),
-                                                        with_kwargs=True))
-        handles.append(module.register_forward_hook(eager(partial(_member_post, running, unit, post)),
-                                                    always_call=True))
+        begin, end = eager(partial(_begin, running, unit, pre)), eager(partial(_end, running, unit, post))
+        handles.append(module.register_forward_pre_hook(partial(_member_pre, running, unit, begin), with_kwargs=True))
+        handles.append(module.register_forward_hook(partial(_member_post, running, unit, end), always_call=True))
     return handles
 
 
-def _member_pre(running, unit, pre, module, args, kwargs):
-    own = not running.depth[unit]
-    running.calls.setdefault(id(module), []).append(own)
-    return pre(module, args, kwargs) if own else None
-
-
-def _member_post(running, unit, post, module, args, output=None):
-    calls = running.calls.get(id(module))
-    if not calls or not calls.pop():
+def _member_pre(running, unit, begin, module, args, kwargs):
+    if running.depth[unit]:  # inside its unit's call: nothing to do
         return None
+    return begin(module, args, kwargs)
+
+
+def _member_post(running, unit, end, module, args, output=None):
+    if running.owner.get(unit) is not module:  # not the member whose call is its unit's
+        return None
+    return end(module, args, output)
+
+
+def _begin(running, unit, pre, module, args, kwargs):
+    running.owner[unit] = module
+    return pre(module, args, kwargs)
+
+
+def _end(running, unit, post, module, args, output):
+    running.owner[unit] = None
     if output is None and sys.exc_info()[1] is not None:  # the call raised: no POST_FORWARD, as for a unit
         running.depth[unit] -= 1
         return None
