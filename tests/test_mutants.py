@@ -31,7 +31,7 @@ from paramfsm.engine.schedule.residency import Residency
 from paramfsm.engine.schedule.scheduler import Scheduler
 from paramfsm.engine.schedule.shard_writes import ShardWrites
 from paramfsm.engine.storage.tiers import DiskTier
-from paramfsm.testing.mutants import format_table, main, run_catalogue, trace_check
+from paramfsm.testing.mutants import SUBJECT, format_table, main, run_catalogue, trace_check
 from paramfsm.verify import faults
 from paramfsm.verify.engine import examples_from_env
 from paramfsm.verify.reproduction import run_saved
@@ -80,8 +80,9 @@ def test_an_unknown_fault_is_named():
             pass
 
 
-#: The catalogue runs in two halves, each in its own test process under ``make test-catalogue`` (pytest-xdist
-#: groups), each with the baselines of its own faults' subjects.
+#: The catalogue runs in two halves and its baselines apart, spread over the test processes of ``make
+#: test-catalogue`` (pytest-xdist groups). A kill means something only while the unmutated runtime passes the same
+#: programs: the baselines' test says so in the same run.
 HALVES = [pytest.param(half, marks=pytest.mark.xdist_group(f"catalogue-{half}"), id=f"half{half}") for half in (0, 1)]
 
 
@@ -89,10 +90,28 @@ def half_of(half: int) -> tuple:
     return faults.CATALOGUE[half::2]
 
 
-@pytest.fixture(scope="module", params=HALVES)
+_RUNS: dict = {}  # half -> its run: a parametrized fixture may be set up again for each test under pytest-xdist
+
+
+@pytest.fixture(params=HALVES)
 def catalogue(request, ranks2):
-    """The baselines and one verification per catalogued fault of one half (run once for the tests below)."""
-    return run_catalogue(examples=examples_from_env(CI_EXAMPLES), pool=ranks2, faults=half_of(request.param))
+    """One verification per catalogued fault of one half (run once per test process for the tests below)."""
+    half = request.param
+    if half not in _RUNS:
+        _RUNS[half] = run_catalogue(examples=examples_from_env(CI_EXAMPLES), pool=ranks2, faults=half_of(half),
+                                    baseline=False)
+    return _RUNS[half]
+
+
+@pytest.mark.catalogue
+@pytest.mark.xdist_group("catalogue-baseline")
+def test_the_unmutated_runtime_passes_the_programs_that_kill_the_catalogue(ranks2):
+    """The baseline of every subject the catalogue's faults run on, with the faults' budget and seed."""
+    subjects = dict.fromkeys(fault.subject or SUBJECT for fault in faults.CATALOGUE)
+    for subject in subjects:
+        problem, rows = run_catalogue(subject=subject, examples=examples_from_env(CI_EXAMPLES), pool=ranks2,
+                                      faults=())
+        assert problem is None and rows == [], problem
 
 
 def test_the_halves_cover_the_catalogue():

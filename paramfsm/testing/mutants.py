@@ -57,7 +57,7 @@ def run_catalogue(*, subject: str = SUBJECT, examples: int = 25, seed: int = 0, 
                   canonical_first: bool = True, baseline: bool = True) -> tuple[str | None, list[Row]]:
     """Baseline, then one verification per fault; returns (baseline failure message or None, rows).
 
-    ``baseline=False`` skips the unmutated runs, for a caller that has just run the same ones."""
+    ``baseline=False`` skips the unmutated runs, for a caller that runs them apart (tests/test_mutants.py)."""
     own_pool = pool is None
     pool = pool or RankPool(world_size)
     try:

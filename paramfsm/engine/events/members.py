@@ -17,10 +17,20 @@ progress (:class:`Running`, the hooks' own bookkeeping, like the chain of
 member's call) runs, a member's hooks do nothing; otherwise the member's call
 is a call of its unit, with the unit's ``PRE_FORWARD`` and ``POST_FORWARD`` and
 the backward hooks on its inputs and outputs. The unit is gathered for the
-call and released after it, in forward, under ``no_grad``, inside another
-unit's forward and in the backward of the member's outputs, exactly as the
-module's own unit was. Only units with members pay for the count (a dict
+call and released after it, in forward, under ``no_grad`` and inside another
+unit's forward, and gathered again for the backward of the member's outputs,
+exactly as the module's own unit was. Only units with members pay for the count (a dict
 update per call), and a member's hooks return at once inside its unit.
+
+[Note: members in backward]
+A member called inside a backward pass is a checkpoint's recomputation (or a
+hook's call) within the backward of its unit, which that backward already
+gathered (its ``PRE_BACKWARD`` rides on the outputs of the unit's forward). It
+is left to the unit, as before: a member's call there takes no hooks. Were it
+its unit's call, a member that runs on some ranks only (an expert of a mixture,
+recomputed one by one under reentrant checkpointing) would issue a gather on
+those ranks alone. The backward of a member's own call on its own is covered by
+the hooks that call registered on its outputs.
 
 A member's call that raises emits no ``POST_FORWARD``, as a unit's does not:
 what it gathered stays until ``rt.reset()`` or the next forward. A unit's own
@@ -35,6 +45,7 @@ from functools import partial
 
 from torch import nn
 
+from paramfsm.engine.events import graph_task as gt
 from paramfsm.engine.events.compile_guard import eager
 
 
@@ -126,6 +137,8 @@ def _member_post(running, unit, end, module, args, output=None):
 
 
 def _begin(running, unit, pre, module, args, kwargs):
+    if gt.current_task() != gt.NO_TASK:  # a recomputation inside backward: [Note: members in backward]
+        return None
     running.owner[unit] = module
     return pre(module, args, kwargs)
 
