@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import tempfile
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,8 @@ class AnotherRun:
         self.model, self.rt, self.groups = model, rt, groups
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if model is not None else None
         self.steps = 0
+        if rt is not None:
+            _OPEN.add(self)
 
     def step(self) -> None:
         if self.rt is None:
@@ -106,10 +109,21 @@ class AnotherRun:
         if self.rt is None:
             return
         rt, self.rt = self.rt, None
+        _OPEN.discard(self)
         rt.close() if strict else rt.detach()
         for group in self.groups:
             if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(group)
+
+
+#: Runs not closed yet: a reproduction whose check fails stops before its ``neighbour.close()``.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+def close_left_open() -> None:
+    """Detach every other run still open (its runtime's page-in threads and its group go with it)."""
+    for run in list(_OPEN):
+        run.close(strict=False)
 
 
 def another_run(offload, rank: int, world: int) -> AnotherRun:

@@ -24,6 +24,7 @@ a saved script on the ranks of a :class:`~paramfsm.launch.RankPool` instead.
 from __future__ import annotations
 
 import datetime
+import gc
 import io
 import runpy
 import sys
@@ -342,7 +343,7 @@ def run_reproduction(main, *, fault: str | None = None, timeout_s: float = 60.0,
     """
     import torch.distributed as dist
 
-    from paramfsm.verify import faults
+    from paramfsm.verify import faults, loop_helpers
     from paramfsm.verify.checker import Failed, Rejected
     from paramfsm.verify.rank_loss import Desynced
 
@@ -350,6 +351,7 @@ def run_reproduction(main, *, fault: str | None = None, timeout_s: float = 60.0,
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    before = set(dist.distributed_c10d._world.pg_map)  # groups the reproduction did not make
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         with faults.activate(fault):
@@ -368,8 +370,16 @@ def run_reproduction(main, *, fault: str | None = None, timeout_s: float = 60.0,
               file=stream)
         return 1
     finally:
+        # A check that fails stops the script before it closes what it made (the other run in an offload
+        # folder, its page-in threads and its group): that run is detached and the groups the script made are
+        # destroyed here and collected, so a pool that runs many reproductions keeps no group's threads (see
+        # [Note: a program leaves no process group behind] in paramfsm.verify.runner).
+        loop_helpers.close_left_open()
+        for group in [g for g in dist.distributed_c10d._world.pg_map if g not in before]:
+            dist.destroy_process_group(group)
         if created:
             dist.destroy_process_group()
+        gc.collect()
     return 0
 
 
