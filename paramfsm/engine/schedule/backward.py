@@ -65,6 +65,20 @@ parameter's own sequence of transitions; the gradient leaves the parameter
 at most one event later. A parameter that is queued again, or one of
 another graph task, drains the queue first, so each parameter is stepped
 once per drain with the holders it really has.
+
+[Note: an interrupted backward's queued gradients]
+The end of a graph task does not come when the backward raises (in a user's
+``autograd.Function``, in a checkpoint's recomputation): autograd runs no
+final callback. Gradients queued then were accumulated into their full
+parameters and never left them. When every parameter of the model is one
+unit (small modules merged into the root), no other event follows inside
+that backward, so the whole queue is still there. Recovery (``rt.reset()``,
+or the next root forward finding the task unfinished) must neither step
+them (they would be reduce-scattered into the shard gradients after the
+user's ``zero_grad``) nor leave them on the parameters (the next backward
+would add to them): it takes them off and drops them, like every other
+gradient of the interrupted backward. So the scheduler does not drain the
+queue before a root forward that finds a graph task unfinished.
 """
 
 from __future__ import annotations
@@ -246,8 +260,14 @@ class GraphTasks:
         return ts
 
     def reset(self) -> None:
-        """Forget every task and queued gradient (the recovery after an interrupted backward)."""
+        """Forget every task and queued gradient (the recovery after an interrupted backward).
+
+        A queued gradient still sits on its full parameter, where autograd accumulated it: it is
+        taken off, or the next backward would add to it (see [Note: an interrupted backward's
+        queued gradients]).
+        """
         self.tasks.clear()
+        self._grads.drop(tuple(self._ready))
         self.clear_ready()
 
     def clear_ready(self) -> None:

@@ -211,6 +211,12 @@ class GradRouting:
             unsynced.reached.clear()
         self._executor.finish_reduces()
 
+    def drop(self, records) -> None:
+        """Take the gradients of an interrupted backward off these full parameters, unused (see [Note: an
+        interrupted backward's queued gradients] in paramfsm.engine.schedule.backward)."""
+        for rec in records:
+            self._executor.detach_grad(rec)
+
     def reset(self) -> None:
         self.staged_grads.clear()
         self.grad_plans.clear()

@@ -139,13 +139,13 @@ class Scheduler:
         self._draining = True
         try:
             queue, handlers, ctx, graph, ready = self._queue, self._handlers, self.ctx, self.graph, self._ready
-            if ready and event.kind is not GRAD_READY:
+            if ready and event.kind is not GRAD_READY and not self._interrupted(event):
                 graph.drain_ready()
             ctx.graph_task = event.graph_task
             handlers[event.kind](event)
             while queue:
                 ev = queue.popleft()
-                if ready and ev.kind is not GRAD_READY:
+                if ready and ev.kind is not GRAD_READY and not self._interrupted(ev):
                     graph.drain_ready()
                 ctx.graph_task = ev.graph_task
                 handlers[ev.kind](ev)
@@ -157,6 +157,11 @@ class Scheduler:
             raise
         finally:
             self._draining = False
+
+    def _interrupted(self, event: Event) -> bool:
+        """A root forward that finds a backward unfinished: its queued gradients are dropped, not stepped
+        (see [Note: an interrupted backward's queued gradients] in paramfsm.engine.schedule.backward)."""
+        return event.kind is FORWARD_BEGIN and event.graph_task == gt.NO_TASK and self.graph.running()
 
     def _accepting(self) -> bool:
         """Whether an event from outside the queue (an on-demand read) may be applied now."""
