@@ -69,8 +69,8 @@ class Facts:
             return not self.full
         if event == "arrive":
             return not self.pending
-        if event == "demand":  # only an empty parameter's placeholder asks for an on-demand gather
-            return self.full
+        if event == "demand":  # an empty parameter's guard asks, or a kept one's watcher: never a deferred copy
+            return self.full and self.deferred
         if event == "shard_written":  # a held copy would go stale under its holder
             return self.holds > 0 and self.gathered
         if event == "written_back":  # only a gathered, non-deferred copy is written back
@@ -210,6 +210,8 @@ class LifetimeMachine(RuleBasedStateMachine):
             assert dst is AVAILABLE, "a shared parameter stays gathered until its last holder releases"
         if event in ("flush", "reset") or (event == "graph_freed" and not retained):
             assert dst is NA, f"{event} must leave {rec.name} NOT_AVAILABLE"
+        if event == "demand" and src is AVAILABLE:
+            assert dst is AVAILABLE and effects == (), "a read of a kept parameter gathers nothing"
         if event == "arrive":
             assert dst is AVAILABLE and effects == ("unpack",)
         if event == "shard_written":

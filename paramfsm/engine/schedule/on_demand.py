@@ -51,6 +51,12 @@ from paramfsm.engine.storage import partitioned
 log = logging.getLogger(__name__)
 
 
+#: The states in which a read outside the unit borrows the parameter: empty (its guard asks: gathered now) or
+#: kept gathered for its unit's backward (its watching class asks: nothing to gather; see [Note: a read of a kept
+#: parameter outside its unit] in paramfsm.engine.storage.placeholder).
+_READABLE = (State.NOT_AVAILABLE, State.INFLIGHT, State.AVAILABLE)
+
+
 class ReadOutsideUnit(UserWarning):
     """A parameter was read by another unit's forward or backward and gathered on demand."""
 
@@ -82,7 +88,7 @@ class OnDemand:
         rec = partitioned.record_of(param)
         if rec is None or rec not in self._mine or not self._accepting():
             return False
-        if rec.state not in (State.NOT_AVAILABLE, State.INFLIGHT):
+        if rec.state not in _READABLE:
             return False
         task = gt.current_task()
         reader = self.reading_unit(task)
@@ -118,7 +124,7 @@ class OnDemand:
     def _on_demand(self, ev: Event) -> None:
         rec, task = ev.record, ev.graph_task
         reader = self.reading_unit(task)
-        if reader is None or rec.state not in (State.NOT_AVAILABLE, State.INFLIGHT):
+        if reader is None or rec.state not in _READABLE:
             return  # the demand found nothing to do: the placeholder raises NotGathered
         holders = self._holders(reader)
         reader.records = reader.records + (rec,)

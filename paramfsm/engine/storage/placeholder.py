@@ -86,7 +86,7 @@ def storage(param: torch.Tensor) -> torch.Tensor:
 
 def conceal(param: torch.Tensor) -> None:
     """Switch an emptied parameter to its guard class (part of the ``free`` effect)."""
-    cls = param.__class__
+    cls = _UNWATCHED.get(param.__class__, param.__class__)
     if cls in _PLAIN:
         return
     guard = _GUARDED.get(cls)
@@ -97,9 +97,65 @@ def conceal(param: torch.Tensor) -> None:
 
 def reveal(param: torch.Tensor) -> None:
     """Switch a parameter back to its plain class before its full tensor is installed."""
-    plain = _PLAIN.get(param.__class__)
+    plain = _PLAIN.get(param.__class__) or _UNWATCHED.get(param.__class__)
     if plain is not None:
         param.__class__ = plain
+
+
+# ---------------------------------------------------------------- kept parameters
+#: [Note: a read of a kept parameter outside its unit]
+#: An empty parameter finds out who reads it: its guard asks for an on-demand gather, and the reading unit
+#: borrows it (:mod:`paramfsm.engine.schedule.on_demand`). A unit kept from its forward to its backward
+#: (``reshard_after_forward``) is gathered while later units run, so another unit's forward can read it
+#: unnoticed: the root of a model whose output layer is tied through ``F.linear(h, self.emb.weight)``. The
+#: reading unit's graph then saves the full parameter without owning it, and its next backward reads it before
+#: the parameter's own unit is gathered again. After a retained backward whose deferral bound released the
+#: embedding, the root's second backward computed on an empty or half-gathered tensor (garbage, then NaN). So
+#: while a unit is kept its parameters are of a *watching* subclass, whose ``__torch_function__`` tells the
+#: schedule of every operation on them (through the same demand table as the guards) and then runs it on the
+#: plain class: a read by another running unit borrows the parameter exactly as an on-demand gather does, with
+#: nothing to gather. Only operations on kept parameters pay the Python call (the unit's own later calls in
+#: the forward, another unit's reads, user code between forward and backward); autograd's kernels never consult
+#: ``__torch_function__``, so the backward pays nothing. ``unwatch`` switches back when the kept hold goes.
+_WATCHING: dict[type, type] = {}  # plain class -> watching class
+_UNWATCHED: dict[type, type] = {}  # watching class -> plain class
+
+
+def watch(param: torch.Tensor) -> None:
+    """Switch a kept (gathered) parameter to its watching class: see [Note: a read of a kept parameter ...]."""
+    cls = param.__class__
+    if cls in _UNWATCHED or cls in _PLAIN:
+        return
+    watching = _WATCHING.get(cls)
+    if watching is None:
+        watching = type(f"Kept{cls.__name__[0].upper()}{cls.__name__[1:]}", (cls,), {
+            "__torch_function__": classmethod(_kept_function),
+            "__module__": __name__,
+            "__doc__": f"A gathered {cls.__name__} kept for its backward (see paramfsm.engine.storage.placeholder).",
+        })
+        _WATCHING[cls], _UNWATCHED[watching] = watching, cls
+    param.__class__ = watching
+
+
+def unwatch(param: torch.Tensor) -> None:
+    """Switch a parameter that is no longer kept back to its plain class."""
+    plain = _UNWATCHED.get(param.__class__)
+    if plain is not None:
+        param.__class__ = plain
+
+
+def _kept_function(cls, func, types, args=(), kwargs=None):
+    name = getattr(func, "__name__", None)
+    if name not in _ACCESSORS and name not in _METADATA and name not in _LOGICAL_METHODS:
+        flat = list(args) + list((kwargs or {}).values())
+        for value in list(flat):
+            if isinstance(value, (list, tuple)):
+                flat.extend(value)
+        for value in flat:
+            if type(value) in _UNWATCHED:
+                _gather_on_demand(value)  # nothing to gather: the reading unit borrows it
+    with DisableTorchFunctionSubclass():
+        return func(*args, **(kwargs or {}))
 
 
 def _guard_class(cls: type) -> type:
