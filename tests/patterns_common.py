@@ -11,6 +11,9 @@ the spec and checks that the leak audit of the last final backward was empty.
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 from torch import nn
 
@@ -18,7 +21,59 @@ import paramfsm
 from paramfsm import State
 from paramfsm.core.fsm import default_table
 from paramfsm.core.replay import replay
+from paramfsm.engine.storage.units import select_unit_modules
 from paramfsm.testing import Reference, assert_close_dicts, rank_slice, sharded_grads, sharded_params
+
+
+#: The unit choices every pattern test runs under: a unit per module owning parameters (the suite's
+#: ``PARAMFSM_MIN_UNIT_BYTES=0``: lifetimes between units) and ``shard()``'s default merge (what users run; the
+#: pattern models are small, so it makes each one unit, or a few).
+UNIT_CHOICES = ("per_module", "default_units")
+#: This rank's unit choice while a job runs under :func:`under_units`, and whether each runtime built has fewer
+#: units than a unit per module would make.
+_CHOICE: dict = {"min_unit_bytes": None, "merged": []}
+
+
+def under_units(choice: str, fn, *args):
+    """Run the job ``fn`` in a rank with every :class:`Pair` sharded under ``choice``; under the default units
+    at least one of its runtimes must really merge a module into its parent's unit."""
+    from paramfsm.engine.storage.default_units import MIN_UNIT_BYTES
+
+    _CHOICE["min_unit_bytes"], _CHOICE["merged"] = (MIN_UNIT_BYTES if choice == "default_units" else None), []
+    try:
+        result = fn(*args)
+        merged = _CHOICE["merged"]
+    finally:
+        _CHOICE["min_unit_bytes"] = None
+    chosen = [m for m in merged if m is not None]  # None: a runtime with units of its own (nothing to merge)
+    if choice == "default_units" and (chosen or not merged):
+        assert any(chosen), f"the default units merged nothing in {fn.__name__} ({len(merged)} runtimes)"
+    return result
+
+
+def unit_kwargs(model) -> dict:
+    """``shard()``'s unit arguments of the current choice, for a job that shards without :class:`Pair`."""
+    if _CHOICE["min_unit_bytes"] is None:
+        return {}
+    _CHOICE["merged"].append(len(select_unit_modules(model, None, _CHOICE["min_unit_bytes"]))
+                             < len(select_unit_modules(model, None, 0)))
+    return {"min_unit_bytes": _CHOICE["min_unit_bytes"]}
+
+
+class UnitChoicePool:
+    """A rank pool whose jobs run under one unit choice (:func:`under_units`); ``choice`` says which."""
+
+    def __init__(self, pool, choice: str):
+        self.pool, self.choice = pool, choice
+
+    def run(self, fn, *args):
+        return self.pool.run(functools.partial(under_units, self.choice, fn), *args)
+
+
+@pytest.fixture(params=UNIT_CHOICES)
+def ranks2(request, ranks2):
+    """The suite's two ranks, each pattern test once per unit choice (import it into the test module)."""
+    return UnitChoicePool(ranks2, request.param)
 
 
 def sgd(params):
@@ -33,7 +88,12 @@ class Pair:
         self.rank, self.world = rank, world
         self.ref = Reference(model, make_optimizer)
         self.model = model
+        per_module = None
+        if _CHOICE["min_unit_bytes"] is not None and shard_kwargs.get("units") is None:
+            shard_kwargs.setdefault("min_unit_bytes", _CHOICE["min_unit_bytes"])
+            per_module = len(select_unit_modules(model, None, 0))
         self.rt = paramfsm.shard(model, retain=retain, trace=True, strict=True, **shard_kwargs)
+        _CHOICE["merged"].append(None if per_module is None else len(self.rt.units) < per_module)
         self.opt = make_optimizer(self.rt.shard_parameters())
         self.worst_grad = self.worst_param = 0.0
         self.checks = 0

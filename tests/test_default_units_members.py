@@ -111,3 +111,24 @@ def test_a_parameter_of_a_parent_unit_frozen_before_the_first_forward_trains_lik
     frozen then is hooked at the first forward after it is unfrozen."""
     for report in ranks2.run(frozen_before_the_first_forward_job):
         assert report["checks"] == 4, report
+
+
+def gathered_member_job(rank, world):
+    torch.manual_seed(0)
+    pair = Pair(Heads(), rank, world, min_unit_bytes=MIN_UNIT_BYTES)
+    model, ref = pair.model, pair.ref.model
+    with torch.no_grad(), pair.rt.gathered(model.value):  # a merged module: held through the root's unit
+        model.value.weight.mul_(0.5)
+    with torch.no_grad():
+        ref.value.weight.mul_(0.5)
+    (x,) = batch(0, world, 2, (8,))
+    pair.zero_grad()
+    (model.value(model.trunk(pair.local(x))).pow(2).mean() + model(pair.local(x)).pow(2).mean()).backward()
+    (ref.value(ref.trunk(x)).pow(2).mean() + ref(x).pow(2).mean()).backward()
+    pair.check_grads("after a write inside rt.gathered(merged module)")
+    pair.step("after a write inside rt.gathered(merged module)")
+    return pair.finish()
+
+
+def test_gathered_holds_a_merged_module_through_its_unit(ranks2):
+    assert ranks2.run(gathered_member_job)[0]["checks"] == 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from patterns_common import Pair, batch
+from patterns_common import ranks2  # noqa: F401 - the fixture: every test here runs under both unit choices
 from torch import nn
 
 from paramfsm import State

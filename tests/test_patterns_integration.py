@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from patterns_common import Pair, batch, tokens
+from patterns_common import Pair, batch, tokens, unit_kwargs
+from patterns_common import ranks2  # noqa: F401 - the fixture: every test here runs under both unit choices
 from torch import nn
 
 import paramfsm
@@ -119,7 +120,8 @@ def mixed_precision_job(rank, world, reduce_dtype):
     model = mlp(width=16, depth=3, d_in=8, d_out=4)
     master = copy.deepcopy(model)
     master_opt = torch.optim.AdamW(master.parameters(), lr=1e-2)
-    rt = paramfsm.shard(model, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, trace=True, strict=True)
+    rt = paramfsm.shard(model, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, trace=True, strict=True,
+                        **unit_kwargs(model))
     opt = torch.optim.AdamW(rt.shard_parameters(), lr=1e-2)
     seen = []
     model[0].register_forward_hook(lambda m, args, out: seen.append((m.weight.dtype, args[0].dtype, out.dtype)))

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from patterns_common import Pair, batch, tokens
+from patterns_common import ranks2  # noqa: F401 - the fixture: every test here runs under both unit choices
 
 from paramfsm import State
 from paramfsm.testing.models import TinyTransformer, mlp

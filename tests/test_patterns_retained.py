@@ -14,6 +14,7 @@ import gc
 import pytest
 import torch
 from patterns_common import Pair, tokens
+from patterns_common import ranks2  # noqa: F401 - the fixture: every test here runs under both unit choices
 
 from paramfsm import State
 from paramfsm.testing.models import TinyTransformer

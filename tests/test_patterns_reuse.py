@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from patterns_common import Pair, batch, gathers_by_task, reduces_by_task, tokens
+from patterns_common import ranks2  # noqa: F401 - the fixture: every test here runs under both unit choices
 from torch import nn
 
 from paramfsm import State
@@ -25,7 +26,8 @@ def tied_job(rank, world, retain):
     pair = Pair(TinyTransformer(vocab=VOCAB, dim=16, depth=2, seq=SEQ, tied=True), rank, world, retain=retain)
     rt, model, ref = pair.rt, pair.model, pair.ref.model
     assert model.head.weight is model.embed.weight
-    assert [u.name for u in rt.record("embed.weight").units] == ["embed", "head"]
+    owners = [u.name for u in rt.record("embed.weight").units]
+    assert owners == (["embed", "head"] if len(rt.units) > 1 else ["<root>"]), owners  # the default: one unit
     per_backward = []
     for step in range(2):
         tok, tgt = tokens(step, world, 2, SEQ, VOCAB), tokens(step, world, 2, SEQ, VOCAB, seed=1)
@@ -59,7 +61,7 @@ def test_tied_weights_one_reduce_per_backward(ranks2, retain):
     for reduces, gathers in report["per_backward"]:
         assert list(reduces.values()) == [1], reduces
         assert all(count <= 1 for count in gathers.values()), gathers
-    if retain == "defer":
+    if retain == "defer" and ranks2.choice == "per_module":
         assert [g for _, g in report["per_backward"][1::2]] == [{}, {}]
 
 

@@ -7,6 +7,8 @@ so an eval-mode forward changes the unit order and leaves a prefetch unused.
 ``experts_lm`` is the subject of the catalogue's faults about gradients
 missing on some ranks and reads outside a unit: a mixture of experts routed
 by token id, made one unit, and an output layer tied through ``F.linear``.
+``sized_lm`` is sized so that the default units merge some modules and keep
+others, and its root reads the embedding's weight (a tied output layer).
 ``once_differentiable_mlp`` has an activation without double backward, so
 plain torch cannot run its gradient penalties: verify rejects those programs.
 The subjects of the user-loop ops (:mod:`paramfsm.verify.user_loop_intents`):
@@ -123,8 +125,49 @@ class BranchyLM(nn.Module):
 
 
 def branchy_lm() -> Subject:
-    """The fault catalogue's subject (see the module docstring)."""
-    return Subject(BranchyLM(), token_batch, lm_loss)
+    """The fault catalogue's subject (see the module docstring). A unit per module unless a program draws
+    another unit choice: the catalogue's canonical programs are about lifetimes between units, and under the
+    default the whole model (a few KB) would be one."""
+    return Subject(BranchyLM(), token_batch, lm_loss, min_unit_bytes=0)
+
+
+#: ``SizedLM``'s vocabulary: its embedding (1291 x 13 float32, 67 KB) is just over the default min_unit_bytes.
+SIZED_VOCAB = 1291
+
+
+class SizedLM(nn.Module):
+    """An embedding big enough to be a unit of its own under the default units, two small residual MLPs that
+    the default merges into the root, and an output layer tied through ``F.linear`` in the root's forward (a
+    read of another unit's parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(SIZED_VOCAB, DIM)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM))
+                                    for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return F.linear(self.norm(x), self.embed.weight)
+
+
+def sized_batch(generator: torch.Generator, n: int):
+    tokens = torch.randint(0, SIZED_VOCAB, (n, SEQ), generator=generator)
+    return tokens, torch.randint(0, SIZED_VOCAB, (n, SEQ), generator=generator)
+
+
+def sized_lm() -> Subject:
+    """The default units' subject: they keep the embedding a unit and merge the rest into the root, which reads
+    the embedding's weight (see :class:`SizedLM`). Every ``shard()`` default is the user's."""
+    import warnings
+
+    from paramfsm.engine.schedule.on_demand import ReadOutsideUnit
+
+    warnings.filterwarnings("ignore", category=ReadOutsideUnit)  # the read is this subject's point
+    return Subject(SizedLM(), sized_batch, lm_loss)
 
 
 class _OnceDifferentiableTanh(torch.autograd.Function):

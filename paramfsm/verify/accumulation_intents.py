@@ -51,10 +51,14 @@ class AccumulationIntents:
 
     def finish_accumulation(self) -> None:
         """At the end of a program: close an open window and synchronise what is kept."""
+        self.close_window()
+        self.synced()
+
+    def close_window(self) -> None:
+        """Leave an open ``rt.no_sync()`` window; what it kept stays kept until synchronised or zeroed."""
         if self.window:
             self.ops.append(NoSync(False))
             self.window = False
-        self.synced()
 
     def accumulation_op(self, kind: str, a: int, b: int, flag: bool) -> None:
         if kind == "no_sync":

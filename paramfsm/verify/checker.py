@@ -40,7 +40,7 @@ from paramfsm.verify import checks, loop_helpers, rank_loss, sync_checks, user_l
 from paramfsm.verify.mirror import Mirror, loss_of, penalised  # noqa: F401 - re-exported for the runner
 from paramfsm.verify.ops import (
     Backward, Checkpoint, Clip, ClosureStep, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered,
-    GatheredWrite, GradSync, Loss, NoSync, PartStep, Penalty, RankLoss, Save, Step, SubForward, SyncGradients, ZeroGrad,
+    GatheredWrite, GradSync, Interrupted, Loss, NoSync, PartStep, Penalty, RankLoss, Save, Step, SubForward, SyncGradients, ZeroGrad,
 )
 from paramfsm.verify.subject import describe, global_batch, split
 from paramfsm.verify.verdicts import Failed, Rejected, agree  # noqa: F401 - re-exported for the runner
@@ -213,7 +213,7 @@ class Checker:
             self.retained.discard(op.out)
         elif isinstance(op, Step):
             self.unfresh = set(self.mirror.params)
-        elif isinstance(op, (ZeroGrad, SyncGradients)):
+        elif isinstance(op, (ZeroGrad, SyncGradients, Interrupted)):
             self.accumulating = False
         elif isinstance(op, NoSync):
             self.window = op.enter
@@ -237,7 +237,10 @@ class Checker:
             raise Failed("invariant", problems)
         released_by = ("rt.flush()" if isinstance(op, Flush) else
                        "a backward without retain_graph and no retained graph alive" if self.released else "")
-        problems = checks.at_rest(rt, bool(self.alive), self.config.retain, released_by)
+        # Without rt.reset() an interrupted backward's units stay gathered until the next forward recovers them
+        # (which the program runs next).
+        unrecovered = isinstance(op, Interrupted) and not op.reset
+        problems = [] if unrecovered else checks.at_rest(rt, bool(self.alive), self.config.retain, released_by)
         if isinstance(op, (Backward, Penalty)) and op.retain and self.modes.get(self.owner[op.loss]) in PLAIN_MODES:
             problems += checks.retained_window(rt, type(op).__name__, self.config)
         if problems:

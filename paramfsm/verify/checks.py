@@ -224,7 +224,7 @@ def communication(op_kind: str, before: Mapping, after: Mapping, *, all_deferred
     reduces = after["reduce_scatters"] - before["reduce_scatters"]
     problems = []
     closure = op_kind == "ClosureStep"  # a forward and a backward inside opt.step
-    backward = op_kind in ("Backward", "Penalty") or closure
+    backward = op_kind in ("Backward", "Penalty", "Interrupted") or closure
     if backward and not closure and all_deferred and gathers:
         problems.append(f"{gathers} all-gather(s) in a backward that found every parameter DEFERRED_RELEASE "
                         "(reuse of deferred parameters must not communicate)")

@@ -154,7 +154,10 @@ def probe(factory, seed: int = 0, per_rank: int = 2) -> Shape:
         except Exception as exc:  # noqa: BLE001 - the user's code: summarised in one line
             raise FactoryError(factory, f"{what}: {describe(exc)}", user_frame(exc)) from exc
 
-    chosen = attempt("units", lambda: select_unit_modules(subject.model, subject.units, subject.min_unit_bytes))
+    attempt("units", lambda: select_unit_modules(subject.model, subject.units, subject.min_unit_bytes))
+    # The modules ops may name (a sub-forward, a kept unit): every unit one per module would make, since some
+    # of the drawn unit choices merge them (a merged module called on its own must still work).
+    chosen = select_unit_modules(subject.model, subject.units, 0)
     modules = tuple(name for name in chosen if name)
     attempt("the model cannot run under paramfsm", lambda: refuse_unsupported(subject.model))
     attempt("the plain-torch reference needs copy.deepcopy(model)", lambda: copy.deepcopy(subject.model))
@@ -171,7 +174,7 @@ def probe(factory, seed: int = 0, per_rank: int = 2) -> Shape:
         attempt(f"block {name!r}", lambda: subject.model.get_submodule(name))
     loops = attempt("the user-loop ops", lambda: learn(subject, split(inputs, 1)[0], modules))
     return Shape(modules, subject.checkpoint, tensor_output, subject.create_graph, params, blocks, subject.meta,
-                 offload=subject.offload is not None, **loops)
+                 offload=subject.offload is not None, own_units=subject.units is not None, **loops)
 
 
 class _Search:

@@ -58,6 +58,35 @@ def tolerances(subject, config) -> tuple[float, float]:
     return atol, rtol
 
 
+def unit_arguments(subject, config) -> dict:
+    """The ``units=`` and ``min_unit_bytes=`` of ``shard()`` for a program's unit choice (see
+    :data:`paramfsm.verify.ops.UNIT_CHOICES`)."""
+    from paramfsm.engine.storage.default_units import MIN_UNIT_BYTES
+    from paramfsm.engine.storage.units import by_size
+    from paramfsm.verify.ops import BY_SIZE_BYTES
+
+    choice = config.units
+    if choice == "one":
+        return {"units": one_unit, "min_unit_bytes": None}
+    if choice == "by_size":
+        return {"units": by_size(min_bytes=BY_SIZE_BYTES), "min_unit_bytes": None}
+    size = {"default": subject.min_unit_bytes, "per_module": 0, "merged": MIN_UNIT_BYTES}[choice]
+    return {"units": subject.units, "min_unit_bytes": size}
+
+
+def one_unit(name, module) -> bool:
+    """The ``units=`` predicate that makes the whole model one unit (the root)."""
+    return False
+
+
+def forget_recoveries(rt) -> None:
+    """Remove the flight-recorder dumps of the recoveries after an expected interruption (an
+    :class:`~paramfsm.verify.ops.Interrupted` op): verify leaves nothing behind for an accepted outcome."""
+    for path in [path for path in rt.flight.dumps if path.name.endswith("-interrupted.jsonl")]:
+        path.unlink(missing_ok=True)
+        rt.flight.dumps.remove(path)
+
+
 def reshard_policy(config):
     """The ``reshard_after_forward`` argument of a program's configuration: True, False, or a predicate that
     keeps the named units (``""``: the root) from their forward to their backward."""

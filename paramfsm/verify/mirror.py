@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_map
 from paramfsm.verify import user_loops
 from paramfsm.verify.ops import (
     PENALTY_WEIGHT, TREE_VARIANTS, Backward, Clip, ClosureStep, Config, Drop, Evaluate, Forward, FullState, Gathered,
-    GatheredWrite, Loss, Overflow, PartStep, PartZeroGrad, Penalty, RankLoss, RequiresGrad, Restore, Save, Step,
+    GatheredWrite, Interrupted, Loss, Overflow, PartStep, PartZeroGrad, Penalty, RankLoss, RequiresGrad, Restore, Save, Step,
     SubForward, Unscale, ZeroGrad,
 )
 from paramfsm.verify.subject import first_tensor
@@ -215,7 +215,7 @@ class Mirror:
             self.acts.pop(op.out, None)
             for k in op.losses:
                 del self.losses[k]
-        elif isinstance(op, ZeroGrad):
+        elif isinstance(op, (ZeroGrad, Interrupted)):  # an interrupted backward's gradients are zeroed after it
             for opt in self.opts:
                 opt.zero_grad()
         elif isinstance(op, Step):

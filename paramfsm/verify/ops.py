@@ -27,6 +27,21 @@ CLIP_NORMS = (0.05, 1.0, 100.0)
 CLIP_NORM_TYPES = (2.0, float("inf"), 1.0)
 
 
+#: The unit choices a program draws (:func:`paramfsm.verify.loop_helpers.unit_arguments` turns one into the
+#: ``units=`` and ``min_unit_bytes=`` of ``shard()``):
+#:
+#: ``"default"``: the subject's own ``units`` and ``min_unit_bytes`` (by default ``shard()``'s: small modules
+#: merged into their parent's unit); ``"per_module"``: ``min_unit_bytes=0``, a unit per module owning
+#: parameters; ``"merged"``: ``min_unit_bytes`` of 64 KiB, whatever ``$PARAMFSM_MIN_UNIT_BYTES`` says (a small
+#: model is then one unit); ``"one"``: ``units=lambda name, module: False``, a root owning every module, each
+#: of which may still be called on its own; ``"by_size"``: ``units=paramfsm.by_size(min_bytes=2048)``. A
+#: subject with its own ``units`` draws ``"default"`` and ``"one"`` only (the others would replace a choice
+#: its model depends on, such as a unit enclosing a branch that differs between ranks).
+UNIT_CHOICES = ("default", "per_module", "merged", "one", "by_size")
+#: ``by_size``'s bound: a few of a verify subject's modules reach it, most merge.
+BY_SIZE_BYTES = 2048
+
+
 @attrs.frozen(slots=True)
 class Config:
     """How the program shards the model (the arguments of ``paramfsm.shard``).
@@ -40,7 +55,7 @@ class Config:
 
     retain: str = "defer"
     prefetch: int = 1
-    bucket_bytes: int = 1 << 20
+    bucket_bytes: int = 8 << 20  # shard()'s default (paramfsm.engine.effects.executor.DEFAULT_BUCKET_BYTES)
     max_deferred_bytes: int | None = None
     param_dtype: str | None = None
     #: ``reshard_after_forward``: True (every unit resharded after its forward), False (every unit kept for
@@ -51,6 +66,9 @@ class Config:
     #: that tier, nothing else resident (``paramfsm.Offload(max_resident_bytes=None)``; see
     #: :func:`paramfsm.verify.loop_helpers.offload_policy`).
     offload: str | None = None
+    #: ``units``: how the model is cut into units (see :data:`UNIT_CHOICES`); ``"default"`` is what the user's
+    #: own ``shard()`` call does with the subject's ``units`` and ``min_unit_bytes``.
+    units: str = "default"
 
     @property
     def scaled(self) -> bool:
@@ -69,6 +87,18 @@ class Forward:
     out: int
     batch: int
     mode: str
+
+
+@attrs.frozen(slots=True)
+class Interrupted:
+    """A train forward of batch ``batch`` whose backward raises inside a user's ``autograd.Function`` applied to
+    the output of ``module`` (so the gradients of what follows it were already accumulated), caught; then
+    ``rt.reset()`` when ``reset`` (else the next forward recovers by itself) and
+    ``opt.zero_grad(set_to_none=True)``. In plain torch every gradient is None after it."""
+
+    batch: int
+    module: str
+    reset: bool
 
 
 @attrs.frozen(slots=True)
@@ -314,7 +344,7 @@ class ClosureStep:
 #: The ops of user training loops beyond driving the root module (see :mod:`paramfsm.verify.user_loop_intents`).
 USER_LOOP_OPS = (SubForward, PartStep, PartZeroGrad, GatheredWrite, Evaluate, Save, Restore, RankLoss)
 
-Op = (Forward | Loss | Backward | Penalty | Drop | ZeroGrad | Step | Flush | Gathered | Unscale | Overflow | Clip
+Op = (Forward | Interrupted | Loss | Backward | Penalty | Drop | ZeroGrad | Step | Flush | Gathered | Unscale | Overflow | Clip
       | FullState | Checkpoint | RequiresGrad | NoSync | GradSync | SyncGradients | SubForward | PartStep
       | PartZeroGrad | GatheredWrite | Evaluate | Save | Restore | RankLoss | ClosureStep)
 
@@ -344,6 +374,7 @@ class Shape:
     blocks: tuple[str, ...] = ()
     meta: bool = False  # Subject(meta=True): the sharded model is a meta build (reproductions build it so)
     offload: bool = False  # Subject(offload=...) is set: reproductions shard with it
+    own_units: bool = False  # Subject(units=...) is set: programs draw only the "default" and "one" unit choices
     #: ``Subject(parts=...)``: module names, one optimizer each (empty: one optimizer over every parameter).
     parts: tuple[str, ...] = ()
     #: The part of each entry of ``params`` (all 0 without parts).

@@ -36,8 +36,8 @@ from paramfsm.verify.accumulation_intents import ACCUMULATION_KINDS, Accumulatio
 from paramfsm.verify.ops import (  # noqa: F401 - the vocabulary, re-exported for existing imports
     AUTO_MODES, BATCHES, CLIP_NORM_TYPES, CLIP_NORMS, GRAD_MODES, LOSS_VARIANTS, MODES, PENALTY_WEIGHT, Backward,
     Checkpoint, Clip, ClosureStep, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite,
-    GradSync, Loss, NoSync, Op, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore,
-    Save, Shape, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
+    GradSync, Interrupted, Loss, NoSync, Op, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore,
+    Save, Shape, Step, SubForward, SyncGradients, UNIT_CHOICES, Unscale, ZeroGrad,
 )
 from paramfsm.verify.user_loop_intents import USER_LOOP_KINDS, UserLoopIntents
 
@@ -61,7 +61,7 @@ class _Output:
 
 KINDS = ("backward", "forward", "loss", "zero_grad", "step", "iteration", "drop", "flush",
          "gathered", "penalty", "multi_loss", "accumulate", "backward", "forward", "multi_loss",
-         "clip", "state_dict", "requires_grad", "overflow", "unscale") + ACCUMULATION_KINDS + USER_LOOP_KINDS
+         "clip", "state_dict", "requires_grad", "overflow", "unscale", "interrupt") + ACCUMULATION_KINDS + USER_LOOP_KINDS
 
 
 class _Normaliser(AccumulationIntents, UserLoopIntents):
@@ -204,6 +204,14 @@ class _Normaliser(AccumulationIntents, UserLoopIntents):
         elif kind == "state_dict":
             self.ops.append(Checkpoint() if flag else FullState(bool(a % 2)))
             self.modified()
+        elif kind == "interrupt" and self.shape.modules:
+            for out in list(self.outputs):  # between iterations: no graph alive
+                self.drop(out)
+            self.close_window()
+            self.ops.append(Interrupted(b % BATCHES, self.shape.modules[a % len(self.shape.modules)], flag))
+            self.has_grads = self.kept = False  # zero_grad(set_to_none=True) after it
+            if not flag:  # no rt.reset(): the next forward recovers (the documented way), and comes at once
+                self.forward(a % BATCHES, "no_grad")
         elif kind == "requires_grad" and self.shape.params:
             name = self.shape.params[a % len(self.shape.params)][0]
             unfreeze = name in self.frozen
@@ -344,6 +352,21 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
     # the gradients and runs a checkpointed forward and its backward through rt.backward; an iteration.
     (Config(), (("closure_step", 1, 1, False), ("forward", 0, 0, False), ("backward", 0, 0, True),
                 ("closure_step", 2, 0, True), ("iteration", 0, 3, False))),
+    # The whole model one unit (the default units merge a small model into its root): a backward broken off
+    # inside a user's autograd.Function after some gradients were accumulated, then rt.reset() and an
+    # iteration; again, the next forward recovering by itself; then a unit module called on its own (its
+    # unit is the root) on a forward's saved inputs, and on detached ones, through backward passes and a step.
+    (Config(units="one"), (("iteration", 0, 0, False), ("interrupt", 1, 1, True), ("iteration", 0, 2, False),
+                           ("interrupt", 2, 3, False), ("iteration", 1, 1, False), ("forward", 0, 0, False),
+                           ("sub_forward", 1, 0, False), ("sub_forward", 0, 0, True), ("backward", 0, 0, False),
+                           ("step", 0, 0, False))),
+    # Units kept from forward to backward under a deferral bound below a unit's size, two losses over a
+    # retained graph: a unit whose parameter another unit's forward reads (a tied output layer through
+    # F.linear) is released by the bound inside the retained backward, and the reader's next backward must
+    # find it gathered again.
+    (Config(reshard_after_forward=False, max_deferred_bytes=4096), (("multi_loss", 0, 0, False),
+                                                                     ("step", 0, 0, False),
+                                                                     ("multi_loss", 0, 1, True))),
 )
 
 
@@ -360,12 +383,14 @@ def kept_alternate(shape: Shape) -> tuple[str, ...]:
 def configs(shape: Shape | None = None) -> st.SearchStrategy[Config]:
     """Sharding configurations, weighted towards the defaults of ``paramfsm.shard`` (and shrinking to them)."""
     kept = (kept_alternate(shape),) if shape is not None else ()
+    units = ("default", "one") if shape is not None and shape.own_units else UNIT_CHOICES
     return st.builds(
         Config,
+        units=st.sampled_from(units),
         offload=st.sampled_from((None, None, None, "cpu", "disk")),
         retain=st.sampled_from(("defer", "regather", "defer")),
         prefetch=st.sampled_from((1, 0, 2)),
-        bucket_bytes=st.sampled_from((1 << 20, 1)),
+        bucket_bytes=st.sampled_from((8 << 20, 1)),
         max_deferred_bytes=st.sampled_from((None, 4096, None)),
         param_dtype=st.sampled_from((None, "float16", "bfloat16")),
         reshard_after_forward=st.sampled_from((True, True, True, False) + kept),

@@ -32,9 +32,10 @@ import traceback
 
 import attrs
 
+from paramfsm.engine.storage.default_units import MIN_UNIT_BYTES
 from paramfsm.verify.ops import (
-    PENALTY_WEIGHT, TREE_VARIANTS, Backward, Checkpoint, Clip, ClosureStep, Drop, Evaluate, Flush, Forward,
-    FullState, Gathered, GatheredWrite, GradSync, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program,
+    BY_SIZE_BYTES, PENALTY_WEIGHT, TREE_VARIANTS, Backward, Checkpoint, Clip, ClosureStep, Drop, Evaluate, Flush, Forward,
+    FullState, Gathered, GatheredWrite, GradSync, Interrupted, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program,
     RankLoss, RequiresGrad, Restore, Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.loop_helpers import SCALER
@@ -60,13 +61,15 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
                    | {"detached" for op in program.ops if isinstance(op, SubForward) and op.detach}
                    | {"in_place_on_view" for op in program.ops if isinstance(op, SubForward) and op.view}
                    | {"tree_loss" for op in program.ops if isinstance(op, Loss) and op.variant in TREE_VARIANTS
-                      or isinstance(op, RankLoss)})
+                      or isinstance(op, RankLoss)}
+                   | {"interrupt" for op in program.ops if isinstance(op, Interrupted)})
     inner = [i for op in program.ops if isinstance(op, ClosureStep) for i in op.inner]
     used = sorted({type(op).__name__ for op in (*program.ops, *inner)} | {"Config"})
     tiered = bool(offload or program.config.offload)  # the script shards with an offload policy
     helpers = sorted({"perturbed" for op in program.ops if isinstance(op, (FullState, Checkpoint))}
                      | {"force_overflow" for op in program.ops if isinstance(op, Overflow)}
                      | {"reentrant_blocks" for op in program.ops if getattr(op, "mode", "") == "reentrant"}
+                     | {"forget_recoveries" for op in program.ops if isinstance(op, Interrupted)}
                      | ({"another_run", "offload_policy"} if tiered else set()))
     scaled = program.config.scaled
     quoted = message.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
@@ -157,6 +160,17 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
     return "\n".join(lines) + "\n"
 
 
+#: ``shard()``'s unit arguments for each unit choice, as :func:`paramfsm.verify.loop_helpers.unit_arguments`
+#: passes them.
+_UNIT_LINES = {
+    "default": "units=subject.units, min_unit_bytes=subject.min_unit_bytes",
+    "per_module": "units=subject.units, min_unit_bytes=0",
+    "merged": f"units=subject.units, min_unit_bytes={MIN_UNIT_BYTES}",
+    "one": "units=lambda name, module: False",
+    "by_size": f"units=paramfsm.by_size(min_bytes={BY_SIZE_BYTES})",
+}
+
+
 def _shard_lines(program: Program, meta: bool = False, offload: bool = False) -> list[str]:
     c = program.config
     tier = ",\n                        offload=offload" if offload or c.offload else ""
@@ -165,8 +179,7 @@ def _shard_lines(program: Program, meta: bool = False, offload: bool = False) ->
     kept = c.reshard_after_forward
     reshard = ("" if kept is True else f", reshard_after_forward={kept}" if kept is False else
                f",\n                        reshard_after_forward=lambda name, module: name not in {kept!r}")
-    return [f"    rt = paramfsm.shard(model, units=subject.units, min_unit_bytes=subject.min_unit_bytes, "
-            f"retain={c.retain!r},",
+    return [f"    rt = paramfsm.shard(model, {_UNIT_LINES[c.units]}, retain={c.retain!r},",
             f"                        prefetch={c.prefetch}, bucket_bytes={c.bucket_bytes},",
             f"                        max_deferred_bytes={c.max_deferred_bytes}, trace=True{dtype}{device}{reshard}"
             f"{tier})"]
@@ -235,6 +248,11 @@ def _render_op(op, seen: set[int], config, script: _Script) -> list[str]:
         return ["del " + ", ".join([f"out{op.out}"] + [f"loss{k}" for k in op.losses] + acts)]
     if isinstance(op, ZeroGrad):
         return [script.each("opt.zero_grad()")]
+    if isinstance(op, Interrupted):
+        return [*_batch_line(op.batch, seen),
+                f"interrupt(model, {op.module!r}, x{op.batch})  # its backward raises inside an autograd.Function",
+                *(["rt.reset()"] if op.reset else []), script.each("opt.zero_grad(set_to_none=True)"),
+                "forget_recoveries(rt)  # the recovery's flight-recorder dump"]
     if isinstance(op, Step):
         return [script.each("scaler.step(opt)"), "scaler.update()"] if config.scaled else [script.each("opt.step()")]
     if isinstance(op, Flush):

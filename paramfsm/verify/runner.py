@@ -70,13 +70,13 @@ from paramfsm.verify import user_loops
 from paramfsm.verify.rank_loss import Desynced
 from paramfsm.verify.ops import (
     Backward, Checkpoint, Clip, ClosureStep, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite,
-    GradSync, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore,
+    GradSync, Interrupted, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore,
     Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
     SCALER, another_run, compute_dtype, force_overflow, load_plain_dcp, offload_policy, perturbed, reentrant_blocks,
-    reshard_policy,
+    forget_recoveries, reshard_policy, unit_arguments,
 )
 
 
@@ -122,9 +122,8 @@ class Run:
         self.offload, self.folder = offload_policy(subject, c, world)
         dtype = compute_dtype(c)
         self.upcast = dtype is not None
-        self.rt = paramfsm.shard(self.model, group=group, units=subject.units, min_unit_bytes=subject.min_unit_bytes,
-                                 retain=c.retain, prefetch=c.prefetch,
-                                 bucket_bytes=c.bucket_bytes, max_deferred_bytes=c.max_deferred_bytes,
+        self.rt = paramfsm.shard(self.model, group=group, **unit_arguments(subject, c), retain=c.retain,
+                                 prefetch=c.prefetch, bucket_bytes=c.bucket_bytes, max_deferred_bytes=c.max_deferred_bytes,
                                  trace=True, param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                  reshard_after_forward=reshard_policy(c), offload=self.offload,
                                  device=next(reference.parameters()).device if reference is not None else None)
@@ -139,6 +138,7 @@ class Run:
         self.acts: dict = {}  # train forward -> the inputs each module got in it (for SubForward ops)
         self.kept: dict = {}  # Save(full) -> the full state dict, or the DCP folder
         self.window = contextlib.ExitStack()  # an open rt.no_sync() window (NoSync ops)
+        self.interruptions = False  # an Interrupted op ran: the recoveries' dumps are removed after each op
 
     def _inputs(self, batch: int):
         return self.check.batch(batch)[0][self.rank]
@@ -191,6 +191,8 @@ class Run:
         elif isinstance(op, ZeroGrad):
             for opt in self.opts:
                 opt.zero_grad()
+        elif isinstance(op, Interrupted):
+            self._interrupted(op)
         elif isinstance(op, Step):
             for opt in self.opts:
                 self.scaler.step(opt) if self.scaler is not None else opt.step()
@@ -207,6 +209,16 @@ class Run:
                 self.check.inside_gathered(*modules)
         else:
             self._apply_training_op(op)
+
+    def _interrupted(self, op: Interrupted) -> None:
+        """The broken-off backward, the recovery and ``zero_grad``; the recoveries' flight-recorder dumps (an
+        expected interruption, not a failure) are removed, this one's now, the next forward's at the end."""
+        user_loops.interrupt(self.model, op.module, self._inputs(op.batch))
+        if op.reset:
+            self.rt.reset()
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=True)
+        self.interruptions = True
 
     def _apply_training_op(self, op) -> None:
         rt = self.rt
@@ -294,6 +306,8 @@ class Run:
                     self._apply(op)
                     if isinstance(op, Step):
                         self.neighbour.step()  # the other run in the offload folder trains too
+                if self.interruptions:
+                    forget_recoveries(self.rt)
             counters = self.rt.counters
             self.neighbour.close()
             self.check.finish()

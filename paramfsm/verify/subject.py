@@ -51,9 +51,11 @@ class Subject:
     """A model with its batch maker and loss, plus how verification may use it.
 
     ``units``: the ``units=`` argument of :func:`paramfsm.shard`.
-    ``min_unit_bytes``: its ``min_unit_bytes=`` argument; 0 (no module merges into its
-    parent's unit) unless given, as lifetimes go wrong between units and a verification
-    model is small enough that the default (64 KiB) would make it one unit; None: the default.
+    ``min_unit_bytes``: its ``min_unit_bytes=`` argument (None: ``shard()``'s default, so that
+    ``verify`` checks the configuration the user trains with). Each program also draws other unit
+    choices (one unit per module, every module merged, ``by_size``: see
+    :data:`paramfsm.verify.ops.UNIT_CHOICES`), since a verification model is small enough that the
+    default may make it one unit, and lifetimes go wrong between units.
     ``checkpoint``: whether programs may run the whole model under
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
     ``create_graph``: whether programs may take gradient penalties
@@ -80,7 +82,7 @@ class Subject:
     make_batch: Callable[[torch.Generator, int], tuple]
     loss_fn: Callable[[Any, Any], torch.Tensor]
     units: Any = None
-    min_unit_bytes: int | None = 0
+    min_unit_bytes: int | None = None
     checkpoint: bool = True
     create_graph: bool = True
     optimizer: Callable = sgd

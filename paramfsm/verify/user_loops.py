@@ -14,6 +14,7 @@ construction:
   tuples) and the losses built from them;
 * :func:`write`: the in-place write of a :class:`~paramfsm.verify.ops.GatheredWrite`;
 * :func:`chosen`: the output a :class:`~paramfsm.verify.ops.RankLoss` reads on a rank (or rank slice);
+* :func:`interrupt`: the backward an :class:`~paramfsm.verify.ops.Interrupted` op breaks off;
 * :func:`parameter_sources`: which parameters a saved activation depends on
   (the probe's input to the normaliser's staleness tracking).
 """
@@ -145,6 +146,40 @@ def view_backward_works(module: nn.Module, saved) -> bool:
     finally:
         module.zero_grad(set_to_none=True)
     return True
+
+
+class Interruption(RuntimeError):
+    """What :class:`Refused` raises in backward: the exception an :class:`~paramfsm.verify.ops.Interrupted` op
+    catches."""
+
+
+class Refused(torch.autograd.Function):
+    """The identity, whose backward raises :class:`Interruption` (a user's Function refusing a gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise Interruption("a custom autograd.Function raised in backward (an Interrupted op)")
+
+
+def interrupt(model: nn.Module, module: str, inputs) -> None:
+    """The forward and the raising backward of an :class:`~paramfsm.verify.ops.Interrupted` op: ``module``'s
+    outputs go through :class:`Refused`; the :class:`Interruption` is caught (the loop then recovers)."""
+    def refuse(_module, _args, out):
+        return _map(lambda t: Refused.apply(t) if t.requires_grad else t, out)
+
+    handle = model.get_submodule(module).register_forward_hook(refuse)
+    try:
+        loss = tree_loss(3, model(inputs))
+    finally:
+        handle.remove()
+    try:
+        loss.backward()
+    except Interruption:
+        pass
 
 
 def optimizers(subject, model: nn.Module, everything) -> list:

@@ -92,6 +92,7 @@ import torch
 import torch.distributed as dist
 
 from paramfsm.engine.storage.default_units import one_unit
+from paramfsm.engine.storage.units import ROOT as ROOT_NAME
 from paramfsm.errors import ParamFSMError, RankDesync
 
 TAG_FIELDS = ("gather", "step", "unit", "elements")
@@ -181,12 +182,15 @@ def _desync(rows: list[tuple], rank: int, unit_names, what: str = "") -> RankDes
     differing = sorted({rank, *(r for r, row in enumerate(rows) if row != mine)})
     names = list(dict.fromkeys(_unit_name(row[3], unit_names) for row in rows if row[1] is not None))
     scope = enclosing_module(names)
+    if scope is None and ROOT_NAME in names:  # their backward passes put different units in the root's buckets
+        scope = ""
+    held = [n for n in names if n[:1] != "<"]
     advice = "" if scope is None else (
         "if a data-dependent branch runs a module on some ranks only, or more often on some (a mixture of "
         "experts, an early exit, a loss that reads another output head on each rank), make the module "
         "enclosing the branch one unit, so every rank gathers and reduces it whole: " + (
             f"probably '{scope}': paramfsm.shard(model, units={one_unit(scope)}) or units=[its class]" if scope
-            else "here the model itself, which holds " + " and ".join(f"'{n}'" for n in names if n[:1] != "<")
+            else "here the model itself" + (", which holds " + " and ".join(f"'{n}'" for n in held) if held else "")
             + ": paramfsm.shard(model, units=[type(model)])"))
     unit = _unit_name(mine[3], unit_names) if mine[1] is not None else what
     return RankDesync(rank=rank, unit=unit, step=mine[2],

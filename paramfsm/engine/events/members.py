@@ -32,6 +32,11 @@ recomputed one by one under reentrant checkpointing) would issue a gather on
 those ranks alone. The backward of a member's own call on its own is covered by
 the hooks that call registered on its outputs.
 
+A unit's own forward recomputed inside backward is not counted either: non-reentrant
+checkpointing stops a recomputation early by raising inside it, so its end never
+comes, and the count it left would make every later call of a member on its own
+(before the next root forward) look like a call inside its unit.
+
 A member's call that raises emits no ``POST_FORWARD``, as a unit's does not:
 what it gathered stays until ``rt.reset()`` or the next forward. A unit's own
 forward that raises leaves it counted as running; the next root forward starts
@@ -97,12 +102,14 @@ def counted(running: Running, unit, pre, post) -> tuple:
 
 
 def _unit_pre(running, unit, pre, module, args, kwargs):
-    running.depth[unit] += 1
+    if gt.current_task() == gt.NO_TASK:  # a recomputation inside backward is not counted: [Note: members in ...]
+        running.depth[unit] += 1
     return pre(module, args, kwargs)
 
 
 def _unit_post(running, unit, post, module, args, output):
-    running.depth[unit] -= 1
+    if gt.current_task() == gt.NO_TASK and running.depth[unit]:
+        running.depth[unit] -= 1
     return post(module, args, output)
 
 

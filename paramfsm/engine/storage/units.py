@@ -361,11 +361,15 @@ def build_units(model: nn.Module, units: UnitsArg, rank: int, world: int, *, dev
 
 
 def units_within(model: nn.Module, units: list[Unit], modules) -> list[Unit]:
-    """The units of ``modules`` and of every module below them (all units when ``modules`` is empty)."""
+    """The units of ``modules`` and of every module below them (all units when ``modules`` is empty), and the
+    units holding their parameters: a module merged into its parent's unit (the default units) is held
+    through that unit."""
     wanted = {id(m) for m in modules}
     if not wanted:
         return list(units)
-    return [unit for unit in units if any(id(m) in wanted for m in _path(model, unit.name))]
+    params = {id(p) for m in modules for p in m.parameters()}
+    return [unit for unit in units if any(id(m) in wanted for m in _path(model, unit.name))
+            or any(id(rec.param) in params for rec in unit.records)]
 
 
 def _path(model: nn.Module, unit_name: str):

@@ -42,6 +42,7 @@ from paramfsm.engine.schedule.prefetch import Prefetch
 from paramfsm.engine.schedule.scheduler import Scheduler
 from paramfsm.engine.storage.partitioned import real_grad, set_real_grad
 from paramfsm.verify.faults.accumulation import ACCUMULATION
+from paramfsm.verify.faults.default_units import DEFAULT_UNITS
 from paramfsm.verify.faults.patching import patched as _patched
 from paramfsm.verify.faults.regressions import REGRESSIONS
 from paramfsm.verify.faults.routing import ROUTING
@@ -338,6 +339,7 @@ CATALOGUE: tuple[Fault, ...] = (
     *(Fault(*entry) for entry in SHARD_WRITES),  # shard writes: optimizer steps, rt.gathered write-back
     *(Fault(*entry) for entry in REGRESSIONS),  # reentrant checkpointing inside a unit
     *(Fault(*entry) for entry in OFFLOAD),  # offload: page-in, write-back, a tier copy older than the step
+    *(Fault(*entry) for entry in DEFAULT_UNITS),  # merged units, units kept for their backward
 )
 
 FAULTS: dict[str, Fault] = {fault.name: fault for fault in CATALOGUE}
