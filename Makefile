@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-catalogue check-wheel demo bench lint mutants mutate verify gpu-check clean
+.PHONY: install test test-catalogue check-wheel demo bench lint mutants mutate verify verify-long gpu-check clean
 
 install: $(STAMP)
 
@@ -69,11 +69,21 @@ mutate: install
 
 verify: install
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:tiny_transformer --examples 50
+	$(PY) -m paramfsm verify paramfsm.testing.subjects:sized_lm --examples 30
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:branchy_lm --world-size 3 --examples 20
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:tiny_transformer_meta --world-size 3 --examples 10
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:gan_pair --examples 20
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:structured_outputs --examples 10
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:view_outputs --examples 10
+
+# Longer than CI's fixed budget, with a new seed each run (printed first, so a failure replays with
+# --seed): 200 programs per subject. Run it before a change to the engine lands.
+VERIFY_SEED ?= $(shell date +%s)
+verify-long: install
+	@echo "verify-long seed $(VERIFY_SEED)"
+	$(PY) -m paramfsm verify paramfsm.testing.subjects:tiny_transformer --examples 200 --seed $(VERIFY_SEED)
+	$(PY) -m paramfsm verify paramfsm.testing.subjects:sized_lm --examples 200 --seed $(VERIFY_SEED)
+	$(PY) -m paramfsm verify paramfsm.testing.subjects:branchy_lm --world-size 3 --examples 200 --seed $(VERIFY_SEED)
 
 # The GPU check needs a Python whose torch is a CUDA build (the .venv above holds the CPU wheel);
 # it installs the cuda extra into that Python when CuPy is missing. Exit 2: no GPU here.
