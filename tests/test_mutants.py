@@ -19,8 +19,9 @@ from paramfsm.engine.effects import executor
 from paramfsm.engine.effects.executor import Executor
 from paramfsm.engine.effects.grad_sync import UnsyncedGrads
 from paramfsm.engine.effects.paging import Pager
-from paramfsm.engine.events import events, graph_task, hooks
+from paramfsm.engine.events import events, graph_task, hooks, members
 from paramfsm.engine.events.higher_order import SecondOrderEntry
+from paramfsm.engine.schedule import holds
 from paramfsm.engine.schedule.backward import GraphTasks
 from paramfsm.engine.schedule.deferral import Deferral
 from paramfsm.engine.schedule.grad_paging import GradPaging
@@ -62,7 +63,7 @@ def _patchable():
             checkpoint_layout.valid_range, vars(SecondOrderEntry)["backward"], full_state.load_full_state_dict,
             replay.replay, Trace._snapshot, dict(vars(UnsyncedGrads)), dict(vars(ShardWrites)),
             gathered._write_back, _methods(Residency), _methods(Pager), optim._after_closure,
-            _methods(GradPaging), dict(vars(DiskTier)), checkpoint.sharded_state_dict)
+            _methods(GradPaging), dict(vars(DiskTier)), checkpoint.sharded_state_dict, members.install, holds.watch)
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))
