@@ -245,6 +245,12 @@ class UserLoopIntents:
         root forwards make up for a subject with no unit below the root or outputs born with a freed graph. The loss belongs to the second output (dropped with it); the backward frees the graphs of
         both, as the ranks' backward passes differ and each rank's frees its own output's graph.
         """
+        if not self.syncing():
+            # With gradient sync off, a rank whose backward reaches fewer units issues no collective at all, so
+            # no rank can tell the desync before the next collective, which here is verify's own agreement
+            # (not paramfsm's): the ranks hang until the collective timeout. Not drawn until paramfsm can
+            # raise RankDesync there (see issue #52's closing note).
+            return
         for made in range(2):
             if len(self.usable()) < 2 and a % 4:
                 kept = [o for o in self.usable() if o.train]
