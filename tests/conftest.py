@@ -23,10 +23,18 @@ SUITE_ENVIRON = dict(os.environ)
 
 
 @pytest.fixture(scope="session")
-def ranks2():
+def suite_ranks2():
     """Two gloo ranks on 127.0.0.1, shared by every test of the run."""
     with RankPool(2, timeout=180, environ=SUITE_ENVIRON) as pool:
         yield pool
+
+
+@pytest.fixture(scope="session")
+def ranks2(suite_ranks2):
+    """The two shared ranks. A test module may override ``ranks2`` (the pattern tests run each test under two
+    unit choices: ``patterns_common.ranks2``); overrides request ``suite_ranks2``, so a parametrized override
+    never keys (and restarts) the shared pool by its parameter."""
+    return suite_ranks2
 
 
 @pytest.fixture(scope="session")

@@ -71,9 +71,9 @@ class UnitChoicePool:
 
 
 @pytest.fixture(params=UNIT_CHOICES)
-def ranks2(request, ranks2):
+def ranks2(request, suite_ranks2):
     """The suite's two ranks, each pattern test once per unit choice (import it into the test module)."""
-    return UnitChoicePool(ranks2, request.param)
+    return UnitChoicePool(suite_ranks2, request.param)
 
 
 def sgd(params):
