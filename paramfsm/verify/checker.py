@@ -62,6 +62,9 @@ class Checker:
         self.atol, self.rtol = loop_helpers.tolerances(subject, config)
         # reference: the plain model the mirror copies when it is not the subject's (Subject(meta=True))
         self.mirror = Mirror(subject, self.world, config, reference)
+        # the same math in another valid order: how far plain torch differs from itself ([Note: plain torch's own
+        # noise] in paramfsm.verify.mirror)
+        self.noise_ref = Mirror(subject, self.world, config, reference, rank_order=True)
         self.blocks = self.mirror.blocks  # what a reentrant forward checkpoints
         self.rt = None
         self.scaler = None
@@ -119,6 +122,7 @@ class Checker:
             for batch in {getattr(op, "batch", None), *getattr(op, "batches", ())} - {None}:
                 self.batch(batch)
             self.mirror.apply(op, self.slices)
+            self.noise_ref.apply(op, self.slices)
         except Exception as exc:  # noqa: BLE001 - whatever plain torch raises rejects the op
             agree(self.group, _REJECTED)
             self._stop()
@@ -251,15 +255,16 @@ class Checker:
         if problems:
             raise Failed("sync", problems)
         unsynced = frozenset(self.mirror.params) if self.accumulating else frozenset()
+        noise = self._noise()
         problems = checks.matches_reference(rt, self.mirror.params, self.mirror.grads(), self.rank, self.world,
-                                            self.atol, self.rtol, unsynced, frozenset(self.nan_padded))
+                                            self.atol, self.rtol, unsynced, frozenset(self.nan_padded), noise)
         if problems:
             raise Failed("reference", problems)
         problems = self._reshard_problems(op)
         if problems:
             raise Failed("reshard", problems)
         fresh = {k: v for k, v in self.mirror.params.items() if k not in self.unfresh}
-        problems = checks.full_values(rt, fresh, self.atol, self.rtol)
+        problems = checks.full_values(rt, fresh, self.atol, self.rtol, noise=noise)
         if problems:
             raise Failed("stale data", problems)
         state_op = isinstance(op, (FullState, Checkpoint, Save))  # one all-gather per parameter, by design
@@ -334,6 +339,12 @@ class Checker:
                 problems.append(f"'{key}': this rank's DTensor chunk differs from the reference's slice")
         self._agreed("checkpoint", problems)
 
+    def _noise(self) -> dict:
+        """name -> (parameter, gradient) spread between the two references."""
+        other = self.noise_ref.params
+        return {name: (checks.spread(p, other[name]), checks.spread(p.grad, other[name].grad))
+                for name, p in self.mirror.params.items()}
+
     def same(self, value) -> None:
         """After a loss, a unit's forward or an eval segment: ``value`` (this rank's) is plain torch's, tensor by
         tensor (any container)."""
@@ -341,9 +352,13 @@ class Checker:
         what = f"{type(self._op).__name__} op"
         if len(got) != len(want):
             raise Failed("output", [f"the {what} gave {len(got)} floating-point tensors, plain torch {len(want)}"])
-        diffs = [checks.close(g.detach(), w.detach(), self.atol, self.rtol) for g, w in zip(got, want)]
-        problems = [f"tensor {i} of the {what}'s value differs from plain torch's by {d:.3g} (atol {self.atol})"
-                    for i, d in enumerate(diffs) if d is not None]
+        spreads = [checks.spread(w, o) for w, o in
+                   zip(want, user_loops.tensors(self.noise_ref.expected[self.rank]))]
+        diffs = [checks.close(g.detach(), w.detach(), self.atol + checks.NOISE_FACTOR * n, self.rtol)
+                 for g, w, n in zip(got, want, spreads)]
+        problems = [f"tensor {i} of the {what}'s value differs from plain torch's by {d:.3g} "
+                    f"({checks.allowance(d, self.atol, n)})" for i, (d, n) in enumerate(zip(diffs, spreads))
+                    if d is not None]
         if problems:
             raise Failed("output", problems)
 

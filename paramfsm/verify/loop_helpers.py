@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import tempfile
 import weakref
@@ -77,6 +78,31 @@ def unit_arguments(subject, config) -> dict:
 def one_unit(name, module) -> bool:
     """The ``units=`` predicate that makes the whole model one unit (the root)."""
     return False
+
+
+class _ExpectedRecovery(logging.Filter):
+    """Drops the notices of the recoveries an :class:`~paramfsm.verify.ops.Interrupted` op causes on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "resetting gathered parameters" not in message and " interrupted on rank " not in message
+
+
+#: The loggers of a recovery's notices: the scheduler's reset, the flight recorder's dump.
+_RECOVERY_LOGGERS = ("paramfsm.engine.schedule.scheduler", "paramfsm.engine.schedule.flight")
+
+
+@contextlib.contextmanager
+def quiet_recoveries():
+    """Within the block, a recovery's notices are not printed (a program whose interruptions are expected)."""
+    quiet = _ExpectedRecovery()
+    for name in _RECOVERY_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
+    try:
+        yield
+    finally:
+        for name in _RECOVERY_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
 
 
 def forget_recoveries(rt) -> None:

@@ -76,7 +76,7 @@ from paramfsm.verify.ops import (
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
     SCALER, another_run, compute_dtype, force_overflow, load_plain_dcp, offload_policy, perturbed, reentrant_blocks,
-    forget_recoveries, reshard_policy, unit_arguments,
+    forget_recoveries, quiet_recoveries, reshard_policy, unit_arguments,
 )
 
 
@@ -299,6 +299,11 @@ class Run:
                 paramfsm.checkpoint.load(rt, f"{self.kept[False]}/{i}", optimizer=opt)
 
     def execute(self) -> Outcome:
+        interrupted = any(isinstance(op, Interrupted) for op in self.program.ops)
+        with quiet_recoveries() if interrupted else contextlib.nullcontext():
+            return self._execute()
+
+    def _execute(self) -> Outcome:
         start = time.perf_counter()
         try:
             for op in self.program.ops:
