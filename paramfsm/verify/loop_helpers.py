@@ -81,7 +81,8 @@ def one_unit(name, module) -> bool:
 
 
 class _ExpectedRecovery(logging.Filter):
-    """Drops the notices of the recoveries an :class:`~paramfsm.verify.ops.Interrupted` op causes on purpose."""
+    """Drops the notices of the recoveries verify causes on purpose (an :class:`~paramfsm.verify.ops.Interrupted`
+    op's, the reset after an accepted ``RankDesync``); a failure is reported by the check that found it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
