@@ -1,4 +1,5 @@
-"""Runtime scenarios on 2 (and 3) gloo ranks, each compared with single-process plain torch.
+"""Runtime scenarios on 2 (and 3) gloo ranks, each compared with single-process plain torch (the two-rank ones
+under a unit per module and under shard()'s default merge: ``patterns_common.UNIT_CHOICES``).
 
 The seed pattern (one forward, several losses, ``zero_grad(); backward(l1,
 retain_graph=True); zero_grad(); backward(l2)``) under both retain policies,
@@ -10,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from patterns_common import ranks2  # noqa: F401 - the fixture: every two-rank scenario here runs under both unit choices
+from patterns_common import unit_kwargs
 
 import paramfsm
 from paramfsm import State
@@ -39,7 +42,7 @@ def multi_loss_job(rank, world, retain, n_losses, use_rt_backward, steps, tied=F
     torch.manual_seed(0)
     model = TinyTransformer(vocab=VOCAB, dim=16, depth=2, seq=SEQ, tied=tied)
     ref = Reference(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
-    rt = paramfsm.shard(model, retain=retain, trace=True, strict=True)
+    rt = paramfsm.shard(model, retain=retain, trace=True, strict=True, **unit_kwargs(model))
     opt = torch.optim.SGD(rt.shard_parameters(), lr=0.1, momentum=0.9)
     report = {"grad_err": 0.0, "param_err": 0.0, "gathers_per_backward": [], "tasks_per_backward": []}
     for step in range(steps):
@@ -114,7 +117,7 @@ def dropped_graph_job(rank, world, how):
     torch.manual_seed(0)
     model = TinyTransformer(vocab=VOCAB, dim=16, depth=2, seq=SEQ)
     ref = Reference(model)
-    rt = paramfsm.shard(model, trace=True, strict=True)
+    rt = paramfsm.shard(model, trace=True, strict=True, **unit_kwargs(model))
     tokens, targets = _batch(0, world)
     out = model(rank_slice(tokens, rank, world))
     l1, l2 = _losses(out, rank_slice(targets, rank, world), 2)
@@ -153,7 +156,7 @@ def bounded_job(rank, world, bound):
     torch.manual_seed(0)
     model = TinyTransformer(vocab=VOCAB, dim=16, depth=2, seq=SEQ)
     ref = Reference(model)
-    rt = paramfsm.shard(model, max_deferred_bytes=bound, trace=True, strict=True)
+    rt = paramfsm.shard(model, max_deferred_bytes=bound, trace=True, strict=True, **unit_kwargs(model))
     tokens, targets = _batch(0, world)
     out = model(rank_slice(tokens, rank, world))
     l1, l2 = _losses(out, rank_slice(targets, rank, world), 2)
@@ -187,7 +190,7 @@ def consumed_graph_job(rank, world):
     torch.manual_seed(0)
     model = TinyTransformer(vocab=VOCAB, dim=16, depth=2, seq=SEQ)
     ref = Reference(model)
-    rt = paramfsm.shard(model, trace=True, strict=True)
+    rt = paramfsm.shard(model, trace=True, strict=True, **unit_kwargs(model))
     tokens, targets = _batch(0, world)
     local = rank_slice(tokens, rank, world), rank_slice(targets, rank, world)
     history = []  # a loss history keeps the first (consumed) graph's outputs alive
