@@ -43,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from paramfsm import offload_step
 from paramfsm.accumulation import refuse_step
 from paramfsm.engine.effects.grad_sync import UNSYNCED
-from paramfsm.engine.storage.partitioned import OWNERS, record_of
+from paramfsm.engine.storage.partitioned import OWNERS, owner, record_of
 from paramfsm.errors import ParamFSMError
 
 # optimizer -> (sharding generation, param groups scanned, whether it steps shards, the shards' writers as
@@ -61,6 +61,80 @@ _generation = 0
 
 class OptimizerStateMismatch(ParamFSMError):
     """An optimizer holds state for a full parameter that paramfsm would have to map to its shard."""
+
+
+class OptimizerNotElementwise(ParamFSMError):
+    """An optimizer whose update paramfsm cannot show to be element-wise was about to step flat shards."""
+
+
+#: [Note: element-wise optimizers]
+#: paramfsm steps every optimizer on each rank's flat 1-D shard of each parameter. That is the optimizer's own
+#: update only when each element's update depends on that element's gradient and state alone (plus scalars the
+#: ranks share: the step count, the learning rate). These ``torch.optim`` optimizers are so: their ``step`` is
+#: recognised, a subclass's included when it keeps the ``step`` (one changing defaults). Any other rule may read
+#: the parameter's shape or a whole-tensor quantity (Adafactor's factored second moment, Muon's
+#: orthogonalisation of the 2-D update, LAMB's and LARS's trust ratios, Shampoo's preconditioners, LBFGS's dot
+#: products over every parameter): on flat shards it computes something else with no error, or raises torch's
+#: own error about the shape. So its first step over shards is refused, naming the parameter, until the user
+#: declares it element-wise (:func:`elementwise`). Stepping such optimizers on whole parameters (gathered on an
+#: owner rank, the result scattered) is not built yet.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+               torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
+               torch.optim.ASGD, torch.optim.Rprop, torch.optim.SparseAdam)
+def _unwrapped(step):
+    """The function under torch's wrappers (``Optimizer.__init__`` wraps its class's ``step`` for profiling)."""
+    while hasattr(step, "__wrapped__"):
+        step = step.__wrapped__
+    return step
+
+
+_STEPS = frozenset(_unwrapped(cls.step) for cls in ELEMENTWISE)
+#: Optimizer classes the user declared element-wise (:func:`elementwise`).
+_DECLARED: "weakref.WeakSet[type]" = weakref.WeakSet()
+
+
+def elementwise(optimizer_class: type) -> type:
+    """Declare ``optimizer_class`` element-wise: each element's update depends on that element's gradient and
+    state alone, so paramfsm may step it on flat shards (see [Note: element-wise optimizers]). Returns the
+    class, so it also works as a class decorator. Declaring an optimizer that is not element-wise trains
+    something else, silently."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"paramfsm.optim.elementwise expects a torch.optim.Optimizer subclass, not "
+                        f"{optimizer_class!r}")
+    _DECLARED.add(optimizer_class)
+    return optimizer_class
+
+
+def _refuse_unless_elementwise(optimizer) -> None:
+    """Raise :class:`OptimizerNotElementwise` for an optimizer over shards that is not known element-wise,
+    before anything is mapped or stepped."""
+    cls = type(optimizer)
+    if _unwrapped(cls.step) in _STEPS or any(issubclass(cls, declared) for declared in _DECLARED):
+        return
+    name, unit, rank, state = _first_shard(optimizer)
+    module = name.rpartition(".")[0] or "<root>"
+    raise OptimizerNotElementwise(
+        f"{cls.__name__}.step() over paramfsm shards refused on rank {rank}: parameter '{name}' (module "
+        f"'{module}', unit '{unit}', {state}) would be stepped as this rank's flat 1-D shard, which is "
+        f"{cls.__name__}'s own update only if that update is element-wise. paramfsm recognises "
+        f"{', '.join(c.__name__ for c in ELEMENTWISE)}; an update that reads the parameter's shape or a "
+        "whole-tensor norm (Adafactor, Muon, LAMB, LARS, Shampoo, LBFGS) would silently compute something "
+        "else. What to do: use one of those optimizers, or, if this one is element-wise, declare it before its "
+        f"first step: paramfsm.optim.elementwise({cls.__name__}).")
+
+
+def _first_shard(optimizer) -> tuple:
+    """``(name, unit, rank, state)`` of the first partitioned parameter or shard ``optimizer`` steps."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            rec, entry = record_of(p), _SHARDS.get(p)
+            scheduler = entry[0]() if entry is not None and entry[0] is not None else None
+            if rec is None and scheduler is not None:
+                rec = scheduler.records[entry[1]]
+            if rec is not None:
+                rank = scheduler.ctx.rank if scheduler is not None else owner(p)[2]
+                return rec.name, rec.unit, rank, f"state {rec.state.name}"
+    return "?", "?", "?", "state unknown"
 
 
 def install(records=(), scheduler=None) -> None:
@@ -132,6 +206,9 @@ def _map(optimizer):
     fresh = seen is None or seen[0] != _generation
     start = 0 if fresh else seen[1]
     sharded = False if fresh else seen[2]
+    if any(record_of(p) is not None or p in _SHARDS for group in optimizer.param_groups[start:]
+           for p in group["params"]):
+        _refuse_unless_elementwise(optimizer)
     for group in optimizer.param_groups[start:]:
         params = group["params"]
         if any(record_of(p) is not None for p in params):
