@@ -371,6 +371,7 @@ def test_a_checkpoint_load_that_fails_leaves_the_model_as_it_was(one_rank, tmp_p
     rt2.close()
 
 
+@paramfsm.optim.elementwise  # its own step: declared element-wise (paramfsm.optim, [Note: element-wise optimizers])
 class _CountingSGD(torch.optim.SGD):
     """SGD that also keeps a plain number per parameter (optimizer state need not be tensors)."""
 

@@ -31,6 +31,7 @@ from functools import partial
 from paramfsm.core.fsm import StepContext, step, step_many
 from paramfsm.core.machine import CrossCheckedStep
 from paramfsm.core.spec import State
+from paramfsm.engine.effects import lost_writes
 from paramfsm.engine.effects.write_back import copy_into_shards
 from paramfsm.engine.events import graph_task as gt
 from paramfsm.engine.events.events import (
@@ -71,6 +72,7 @@ class Scheduler:
         # another kind is applied ([Note: accumulated gradients are stepped together] in backward.py).
         self._ready: dict = {}
         self._draining = False
+        self._recovering = False  # recover() frees what was written too ([Note: a write to a gathered parameter])
         step_one, step_all = self._step, self._step_all
         self.prefetch = Prefetch(step_one, step_all, executor, units, prefetch=prefetch, bucket_bytes=bucket_bytes)
         self.deferral = Deferral(step_one, step_all, allowed=retain == "defer", bound=max_deferred_bytes)
@@ -105,15 +107,15 @@ class Scheduler:
         executor = self.executor
         runners = {
             "start_gather": self.prefetch.start_gather,
-            "unpack": executor.install,
+            "unpack": lost_writes.noted(executor.install),
             "discard_gather": executor.discard,
-            "free": executor.free,
+            "free": lost_writes.checked(executor.free, lambda: self._recovering, executor.rank),
             "defer": self.deferral.defer_all,
             "undefer": self.deferral.undefer_all,
             "reduce_grad": self.grads.take_grads,
             "keep_grad": executor.unsynced.keep,
             "sync_grad": executor.unsynced.sync,
-            "write_back": partial(copy_into_shards, executor.rank),
+            "write_back": lost_writes.written(partial(copy_into_shards, executor.rank)),
         }
         if self.residency is not None:
             runners["start_gather"] = self.residency.gathering(runners["start_gather"])
@@ -300,6 +302,13 @@ class Scheduler:
         """Return every parameter to NOT_AVAILABLE after an interrupted forward or backward."""
         log.warning("paramfsm: resetting gathered parameters on rank %d: %s", self.ctx.rank, why)
         self.report_failure(None, "interrupted")
+        self._recovering = True  # what the interrupted iteration wrote is dropped: [Note: a write to a gathered ...]
+        try:
+            self._recover()
+        finally:
+            self._recovering = False
+
+    def _recover(self) -> None:
         self._queue.clear()
         self.graph.reset()
         self.prefetch.reset()
