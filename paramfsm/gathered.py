@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from paramfsm.core.spec import State
 from paramfsm.engine.storage import placeholder
+from paramfsm.engine.effects.lost_writes import acknowledge
 from paramfsm.engine.storage.units import units_within
 from paramfsm.errors import ParamFSMError
 
@@ -59,6 +60,9 @@ def gathered(rt, modules, writeback: bool = True):
         if writeback:
             _write_back(rt, before)
     finally:
+        # A read-only block, or one that raised before its write-back, drops what it wrote, as documented:
+        # not a lost write ([Note: a write to a gathered parameter] in paramfsm.engine.effects.lost_writes).
+        acknowledge(rec for unit in held for rec in unit.records)
         for unit in reversed(held):
             rt.scheduler.unhold(unit)
 

@@ -11,7 +11,8 @@ the shards (checked to agree across ranks), which is the supported way.
 
 So the unpack effect notes the parameter's autograd version counter, which every
 in-place op on the parameter bumps (``no_grad`` or not), the write-back of
-``rt.gathered`` notes it again after copying into the shard, and the free effect
+``rt.gathered`` notes it again after copying into the shard (a read-only block, or
+one that raised, acknowledges what it wrote as dropped, as documented), and the free effect
 compares: a parameter whose version moved was written and not written back. The
 free still happens (the state machine has already moved on), then
 :class:`WriteToGathered` names the parameter and the fix. A recovery
@@ -59,6 +60,14 @@ def written(write_back):
         for rec in records:
             rec.version = rec.param._version
     return run
+
+
+def acknowledge(records) -> None:
+    """The writes made so far to these gathered parameters are meant to be dropped (``rt.gathered(writeback=False)``,
+    or a block that raised before its write-back): their release raises nothing for them."""
+    for rec in records:
+        if rec.version is not None:
+            rec.version = rec.param._version
 
 
 def checked(free, recovering, rank: int):
