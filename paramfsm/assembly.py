@@ -56,6 +56,7 @@ def check_arguments(model: nn.Module, group, units, mesh, *, retain, max_deferre
     :class:`~paramfsm.errors.ArgumentError`, each naming the argument and what
     it takes, so a typo fails here rather than steps into training.
     """
+    refuse_unsupported(model)  # before anything reads a parameter's size (a lazy module's has none yet)
     if not isinstance(retain, str):
         raise ArgumentTypeError(f"retain={retain!r}: expected 'defer' or 'regather'")
     if retain not in RETAIN_POLICIES:
