@@ -255,7 +255,7 @@ class Checker:
         if problems:
             raise Failed("sync", problems)
         unsynced = frozenset(self.mirror.params) if self.accumulating else frozenset()
-        noise = self._noise()
+        noise = checks.noise(self.mirror.params, self.noise_ref.params)
         problems = checks.matches_reference(rt, self.mirror.params, self.mirror.grads(), self.rank, self.world,
                                             self.atol, self.rtol, unsynced, frozenset(self.nan_padded), noise)
         if problems:
@@ -339,26 +339,12 @@ class Checker:
                 problems.append(f"'{key}': this rank's DTensor chunk differs from the reference's slice")
         self._agreed("checkpoint", problems)
 
-    def _noise(self) -> dict:
-        """name -> (parameter, gradient) spread between the two references."""
-        other = self.noise_ref.params
-        return {name: (checks.spread(p, other[name]), checks.spread(p.grad, other[name].grad))
-                for name, p in self.mirror.params.items()}
-
     def same(self, value) -> None:
         """After a loss, a unit's forward or an eval segment: ``value`` (this rank's) is plain torch's, tensor by
         tensor (any container)."""
-        got, want = user_loops.tensors(value), user_loops.tensors(self.mirror.expected[self.rank])
-        what = f"{type(self._op).__name__} op"
-        if len(got) != len(want):
-            raise Failed("output", [f"the {what} gave {len(got)} floating-point tensors, plain torch {len(want)}"])
-        spreads = [checks.spread(w, o) for w, o in
-                   zip(want, user_loops.tensors(self.noise_ref.expected[self.rank]))]
-        diffs = [checks.close(g.detach(), w.detach(), self.atol + checks.NOISE_FACTOR * n, self.rtol)
-                 for g, w, n in zip(got, want, spreads)]
-        problems = [f"tensor {i} of the {what}'s value differs from plain torch's by {d:.3g} "
-                    f"({checks.allowance(d, self.atol, n)})" for i, (d, n) in enumerate(zip(diffs, spreads))
-                    if d is not None]
+        problems = checks.same_values(user_loops.tensors(value), user_loops.tensors(self.mirror.expected[self.rank]),
+                                      user_loops.tensors(self.noise_ref.expected[self.rank]), self.atol, self.rtol,
+                                      f"{type(self._op).__name__} op")
         if problems:
             raise Failed("output", problems)
 

@@ -155,6 +155,26 @@ def spread(a, b) -> float:
     return float(diff.max().item()) if diff.numel() else 0.0
 
 
+def noise(params: Mapping, other: Mapping) -> dict:
+    """name -> (parameter, gradient) spread between the two references' parameters."""
+    return {name: (spread(p, other[name]), spread(p.grad, other[name].grad)) for name, p in params.items()}
+
+
+def same_values(got: list, want: list, other: list, atol: float, rtol: float, what: str) -> list[str]:
+    """An op's tensors against the reference's (``want``), allowing the spread to the noise reference's
+    (``other``): one problem per tensor outside it."""
+    if len(got) != len(want):
+        return [f"the {what} gave {len(got)} floating-point tensors, plain torch {len(want)}"]
+    problems = []
+    for i, (g, w, o) in enumerate(zip(got, want, other)):
+        n = spread(w, o)
+        d = close(g.detach(), w.detach(), atol + NOISE_FACTOR * n, rtol)
+        if d is not None:
+            problems.append(f"tensor {i} of the {what}'s value differs from plain torch's by {d:.3g} "
+                            f"({allowance(d, atol, n)})")
+    return problems
+
+
 def allowance(diff: float, atol: float, noise: float) -> str:
     """What a difference was allowed, and how far outside it is, for a failure message."""
     if not noise:

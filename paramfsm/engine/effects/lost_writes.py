@@ -44,19 +44,11 @@ class WriteToGathered(ParamFSMError):
             "torch.no_grad().")
 
 
-def noted(install):
-    """The unpack effect, noting each installed parameter's version."""
+def noting(effect):
+    """``effect`` (the unpack, or ``rt.gathered``'s write-back), then each parameter's version noted: what the
+    full parameter holds now came from its shard or has reached it."""
     def run(records):
-        install(records)
-        for rec in records:
-            rec.version = rec.param._version
-    return run
-
-
-def written(write_back):
-    """The write-back effect (``rt.gathered(writeback=True)``): the write reached the shard; note it."""
-    def run(records):
-        write_back(records)
+        effect(records)
         for rec in records:
             rec.version = rec.param._version
     return run

@@ -107,7 +107,7 @@ class Scheduler:
         executor = self.executor
         runners = {
             "start_gather": self.prefetch.start_gather,
-            "unpack": lost_writes.noted(executor.install),
+            "unpack": lost_writes.noting(executor.install),
             "discard_gather": executor.discard,
             "free": lost_writes.checked(executor.free, lambda: self._recovering, executor.rank),
             "defer": self.deferral.defer_all,
@@ -115,7 +115,7 @@ class Scheduler:
             "reduce_grad": self.grads.take_grads,
             "keep_grad": executor.unsynced.keep,
             "sync_grad": executor.unsynced.sync,
-            "write_back": lost_writes.written(partial(copy_into_shards, executor.rank)),
+            "write_back": lost_writes.noting(partial(copy_into_shards, executor.rank)),
         }
         if self.residency is not None:
             runners["start_gather"] = self.residency.gathering(runners["start_gather"])
