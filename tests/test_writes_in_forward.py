@@ -9,12 +9,14 @@ the same write inside ``rt.gathered(writeback=True)`` reaches the shards and mat
 
 from __future__ import annotations
 
+import pytest
 import torch
 from patterns_common import Pair, batch
 from torch import nn
 
 import paramfsm
 from paramfsm.engine.effects.lost_writes import WriteToGathered
+from paramfsm.engine.storage.default_units import MIN_UNIT_BYTES
 
 
 class Clamped(nn.Linear):
@@ -26,9 +28,9 @@ class Clamped(nn.Linear):
         return super().forward(x)
 
 
-def clamp_job(rank, world):
+def clamp_job(rank, world, min_unit_bytes):
     torch.manual_seed(0)
-    pair = Pair(nn.Sequential(Clamped(4, 8), nn.Tanh(), nn.Linear(8, 2)), rank, world, min_unit_bytes=0)
+    pair = Pair(nn.Sequential(Clamped(4, 8), nn.Tanh(), nn.Linear(8, 2)), rank, world, min_unit_bytes=min_unit_bytes)
     model, ref = pair.model, pair.ref.model
     (x,) = batch(0, world, 2, (4,))
     caught = None
@@ -53,10 +55,14 @@ def clamp_job(rank, world):
     return caught, pair.finish()
 
 
-def test_a_write_to_a_weight_inside_forward_raises_and_the_gathered_write_trains_like_plain_torch(ranks2):
-    for rank, (caught, report) in enumerate(ranks2.run(clamp_job)):
+@pytest.mark.parametrize("min_unit_bytes,unit", [(MIN_UNIT_BYTES, "<root>"), (0, "0")],
+                         ids=["default_units", "per_module"])
+def test_a_write_to_a_weight_inside_forward_raises_and_the_gathered_write_trains_like_plain_torch(ranks2,
+                                                                                                   min_unit_bytes,
+                                                                                                   unit):
+    for rank, (caught, report) in enumerate(ranks2.run(clamp_job, min_unit_bytes)):
         assert caught is not None, "the write inside forward was dropped with no error"
-        for fact in ("parameter '0.weight'", "module '0'", "unit '0'", f"rank {rank}",
+        for fact in ("parameter '0.weight'", "module '0'", f"unit '{unit}'", f"rank {rank}",
                      "rt.gathered(module, writeback=True)"):
             assert fact in caught, (fact, caught)
         assert report["checks"] == 4
