@@ -11,28 +11,39 @@ are stepped last, together. The call the user made then steps nothing.
 
 [Note: the step the user called]
 A step pre-hook cannot cancel the step it precedes. So after stepping unit by
-unit, every param group's ``params`` is emptied, and the step post-hook puts
-them back: the user's ``step()`` runs the optimizer over no parameters (every
-``torch.optim`` optimizer returns at once), and LR schedulers, step counters
-and hooks see one step as before. The optimizer's per-parameter state (Adam's
-``step`` included) is stepped exactly once per parameter, so the result is the
-optimizer's own, bit for bit. A closure (LBFGS) would be evaluated once per
-unit, so it is refused.
+unit, every param group's ``params`` is emptied: the user's ``step()`` then
+runs the optimizer over no parameters (every ``torch.optim`` optimizer returns
+at once). The optimizer's per-parameter state (Adam's ``step`` included) is
+stepped exactly once per parameter, so the result is the optimizer's own, bit
+for bit. A closure (LBFGS) would be evaluated once per unit, so it is refused.
+
+[Note: hooks see the step the user called]
+What watches the optimizer must see one step, as without offload. Each unit's
+step calls the optimizer's step function under torch's hook wrapper, so no
+hook runs per unit. The optimizer's own step pre-hooks would run after
+paramfsm's global pre-hook, that is after every unit stepped; so they are run
+here, first, with every parameter in the groups and none updated yet, and are
+then held aside until the step ends. Its post-hooks run after the step as
+usual, but torch runs an optimizer's own post-hooks before the global ones: so
+paramfsm's restoring post-hook is the optimizer's first own post-hook, and
+every other post-hook sees the groups whole and every parameter stepped. A
+global pre-hook registered after paramfsm's runs after the units stepped.
 """
 
 from __future__ import annotations
 
 import weakref
-
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from collections import OrderedDict
 
 from paramfsm.errors import OffloadError
 from paramfsm.offload import optimizer_placement
 
-#: optimizer -> the param groups' params, emptied until its step's post-hook restores them.
+#: optimizer -> (the param groups' params, its own step pre-hooks), held aside until its step's post-hook
+#: restores them (see [Note: hooks see the step the user called]).
 _EMPTIED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: optimizer -> the id of paramfsm's restoring post-hook among the optimizer's own post-hooks.
+_RESTORERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _inner = [False]  # a unit's step is running: the hooks let it through
-_hook = None
 
 
 def inner() -> bool:
@@ -47,15 +58,13 @@ def offloading(writers) -> list:
 
 def step_by_unit(optimizer, writers, args, kwargs) -> None:
     """Step ``optimizer`` unit by unit over the offloaded runtimes in ``writers`` (module docstring)."""
-    global _hook
+    args, kwargs = _own_pre_hooks(optimizer, args, kwargs)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
     if closure is not None:
         raise OffloadError(
             f"{type(optimizer).__name__}.step(closure) over offloaded shards: the step runs unit by unit, so a "
             "closure would be evaluated once per unit. What to do: call step() without a closure, or do not "
             "offload this model (paramfsm.shard(..., offload=None)).")
-    if _hook is None:
-        _hook = register_optimizer_step_post_hook(_restore)
     groups = optimizer.param_groups
     saved = [group["params"] for group in groups]
     stepped: set[int] = set()
@@ -73,7 +82,33 @@ def step_by_unit(optimizer, writers, args, kwargs) -> None:
         raise
     for group in groups:
         group["params"] = []
-    _EMPTIED[optimizer] = saved
+    hooks = optimizer._optimizer_step_pre_hooks
+    _EMPTIED[optimizer] = (saved, OrderedDict(hooks))
+    hooks.clear()
+    _restore_first(optimizer)
+
+
+def _own_pre_hooks(optimizer, args, kwargs) -> tuple:
+    """Run ``optimizer``'s own step pre-hooks now, as torch's step wrapper would (they may replace the
+    arguments); they are held aside once the units stepped."""
+    for hook in list(optimizer._optimizer_step_pre_hooks.values()):
+        result = hook(optimizer, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"{hook} must return None or a tuple of (new_args, new_kwargs), but got "
+                                   f"{result}.")
+            args, kwargs = result
+    return args, kwargs
+
+
+def _restore_first(optimizer) -> None:
+    """Make paramfsm's restoring post-hook ``optimizer``'s first own post-hook."""
+    hooks = optimizer._optimizer_step_post_hooks
+    key = _RESTORERS.get(optimizer)
+    if key not in hooks:
+        key = optimizer.register_step_post_hook(_restore).id
+        _RESTORERS[optimizer] = key
+    hooks.move_to_end(key, last=False)
 
 
 def _step_runtime(optimizer, scheduler, records, saved, stepped: set) -> None:
@@ -109,11 +144,15 @@ def _step_runtime(optimizer, scheduler, records, saved, stepped: set) -> None:
 
 
 def _step_only(optimizer, saved, ids: set) -> None:
+    """Step ``optimizer`` over the parameters in ``ids`` alone, running no step hook."""
     for group, params in zip(optimizer.param_groups, saved):
         group["params"] = [p for p in params if id(p) in ids]
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):  # torch's hook-running wrapper (Optimizer._patch_step_function)
+        step = step.__wrapped__
     _inner[0] = True
     try:
-        optimizer.step()
+        step(optimizer)
     finally:
         _inner[0] = False
 
@@ -121,10 +160,14 @@ def _step_only(optimizer, saved, ids: set) -> None:
 def _restore(optimizer, args, kwargs) -> None:
     if _inner[0]:
         return
-    saved = _EMPTIED.pop(optimizer, None)
-    if saved is not None:
+    held = _EMPTIED.pop(optimizer, None)
+    if held is not None:
+        saved, pre_hooks = held
         for group, params in zip(optimizer.param_groups, saved):
             group["params"] = params
+        pre_hooks.update(optimizer._optimizer_step_pre_hooks)  # any registered during the step
+        optimizer._optimizer_step_pre_hooks.clear()
+        optimizer._optimizer_step_pre_hooks.update(pre_hooks)
 
 
 def restore_if_left(optimizer) -> None:

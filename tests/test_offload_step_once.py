@@ -1,0 +1,119 @@
+"""An offloaded optimizer step is one step to everything that watches it, and ``zero_grad`` keeps its meaning.
+
+Under ``Offload(optimizer=...)`` (or any offload) paramfsm steps the optimizer unit by unit
+(:mod:`paramfsm.offload_step`). What the user registered on the optimizer must still see the one ``step()``
+they called, as in plain torch: each step pre-hook once, before any parameter changes, and each post-hook once,
+after every parameter changed, both with every parameter in the param groups. And
+``zero_grad(set_to_none=False)`` must zero the gradients wherever they are paged, whatever the resident bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paramfsm
+from paramfsm.testing.models import mlp
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+
+
+def _model():
+    torch.manual_seed(0)
+    return mlp(width=16, depth=4, d_in=8, d_out=4)
+
+
+def _batch(step):
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 + step))
+
+
+def _offload(kind, folder):
+    if kind == "optimizer-cpu":
+        return paramfsm.Offload(optimizer="cpu")
+    if kind == "params-disk":
+        return paramfsm.Offload(params="disk", path=folder)
+    if kind is None:
+        return None
+    raise ValueError(kind)
+
+
+def hooks_job(rank, world, folder, kind):
+    model = _model()
+    rt = paramfsm.shard(model, offload=_offload(kind, folder)) if world else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen = []
+
+    def first_value():
+        shard = opt.param_groups[0]["params"][0]
+        return float(shard.detach().reshape(-1)[0]) if shard.numel() else None
+
+    def pre(optimizer, args, kwargs):
+        seen.append(("pre", sum(len(g["params"]) for g in optimizer.param_groups), first_value()))
+
+    def post(optimizer, args, kwargs):
+        seen.append(("post", sum(len(g["params"]) for g in optimizer.param_groups), first_value()))
+
+    opt.register_step_pre_hook(pre)
+    opt.register_step_post_hook(post)
+    for step in range(STEPS):
+        x = _batch(step).chunk(max(world, 1))[rank]
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    full = rt.full_state_dict() if rt is not None else model.state_dict()
+    if rt is not None:
+        rt.close()
+    return seen, full
+
+
+@pytest.mark.parametrize("kind", ["optimizer-cpu", "params-disk"])
+def test_step_hooks_see_one_step_under_offload(ranks2, tmp_path, kind):
+    plain_seen, plain = hooks_job(0, 0, None, None)
+    n = len(list(_model().parameters()))
+    for rank, (seen, full) in enumerate(ranks2.run(hooks_job, str(tmp_path), kind)):
+        kinds = [k for k, _, _ in seen]
+        assert kinds == ["pre", "post"] * STEPS, (rank, kinds)
+        assert all(count == n for _, count, _ in seen), (rank, seen, n)
+        # The pre-hook ran before the update, the post-hook after it: the first shard element changes between.
+        for (_, _, before), (_, _, after) in zip(seen[0::2], seen[1::2]):
+            assert before is None or before != after, (rank, seen)
+        # ...and before the previous step's post-hook value is the same value (nothing stepped in between).
+        for (_, _, after), (_, _, before) in zip(seen[1::2], seen[2::2]):
+            assert after == before, (rank, seen)
+        for name, value in plain.items():
+            torch.testing.assert_close(full[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {name}: {m}")
+    assert [k for k, _, _ in plain_seen] == ["pre", "post"] * STEPS
+
+
+def zero_grad_job(rank, world, folder, offload_kwargs, set_to_none):
+    model = _model()
+    offload = paramfsm.Offload(**offload_kwargs, path=folder) if world else None
+    rt = paramfsm.shard(model, offload=offload) if world else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        for micro in range(2):  # the second backward adds into the gradient zero_grad zeroed in place
+            x = _batch(2 * step + micro).chunk(max(world, 1))[rank]
+            (model(x).pow(2).mean() / 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    full = rt.full_state_dict() if rt is not None else model.state_dict()
+    if rt is not None:
+        rt.close()
+    return full
+
+
+BOUNDED = [
+    dict(grads="cpu", params="cpu", max_resident_bytes=2048),
+    dict(grads="disk", optimizer="cpu", max_resident_bytes=3000),
+    dict(grads="cpu", params="disk", optimizer="disk", max_resident_bytes=4096),
+]
+
+
+@pytest.mark.parametrize("offload", BOUNDED, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_zero_grad_without_set_to_none_under_a_bounded_tier_trains_like_plain_torch(ranks2, tmp_path, offload):
+    plain = zero_grad_job(0, 0, None, None, True)
+    for rank, full in enumerate(ranks2.run(zero_grad_job, str(tmp_path), offload, False)):
+        for name, value in plain.items():
+            torch.testing.assert_close(full[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {name}: {m}")
