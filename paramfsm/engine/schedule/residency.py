@@ -49,12 +49,14 @@ from collections import OrderedDict
 from torch.utils.weak import WeakIdKeyDictionary
 
 from paramfsm.core.fsm import Placement, residency_table, step
+from paramfsm.core.spec import Residency as States
 from paramfsm.engine.storage import paged
+
 
 class Paged(Placement):
     """One offloaded value: its residency (the Placement), its version, its tensors and its tier."""
 
-    __slots__ = ("version", "values", "pager", "key", "tensor")
+    __slots__ = ("version", "values", "pager", "key", "tensor", "synced")
 
     def __init__(self, name: str, unit: str, kind: str, values, pager, key, tensor=None):
         tensors = values()
@@ -62,6 +64,7 @@ class Paged(Placement):
         self.version = 0  # numbered by its Residency (add), so a run's numbers do not depend on earlier runs
         self.values, self.pager, self.key = values, pager, key
         self.tensor = tensor  # a shard gradient's: a weak reference to the one tensor it was made for
+        self.synced = ()  # its tensors' autograd versions when it last became RESIDENT (see [Note: ...])
 
 
 class Residency:
@@ -260,8 +263,13 @@ class Residency:
 
     # ------------------------------------------------------------------ paging
     def _run(self, p: Paged, event: str) -> None:
+        if event in _LEAVING and p.state is States.RESIDENT and p.synced != _versions(p):
+            self.written([p])  # changed in place outside the schedule: see [Note: a write nobody announced]
+        before = p.state
         for effect in step(self.table, p, event, self.ctx):
             getattr(p.pager, effect)((p,))
+        if p.state is States.RESIDENT and before is not States.RESIDENT:
+            p.synced = _versions(p)
 
     def _trim(self) -> None:
         while self._cached and self.resident_bytes > self.bound:
@@ -332,3 +340,18 @@ class Residency:
 
 
 _WHAT = {"shard": "shard", "grad": "shard gradient", "optim": "optimizer state"}
+
+
+#: [Note: a write nobody announced]
+#: A RESIDENT value's working copy equals its tier copy, so paging it out only drops it. But a resident value is
+#: an ordinary tensor, and code outside the schedule may change it in place without paging anything in:
+#: ``zero_grad(set_to_none=False)`` zeroing a shard gradient kept in the resident set, ``clip_grad_value_`` on
+#: shard gradients, a user's write to a shard. Dropped as clean, such a change would be lost and the tier's old
+#: value read back at the next use (a gradient then adds the last step's to the new one). So each placement
+#: keeps its tensors' autograd versions from when it became RESIDENT; before a page-out or a write-back, a
+#: version that moved steps the placement with ``write`` (to DIRTY), so the change is written first.
+_LEAVING = frozenset({"page_out", "write_back"})
+
+
+def _versions(p: Paged) -> tuple:
+    return tuple(tensor._version for _, tensor in p.values())
