@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import full_state, memory, meta, model_changes, optim, rank_agreement
+from paramfsm import full_state, grad_norm, memory, meta, model_changes, optim, rank_agreement
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
 from paramfsm.engine.effects.collectives import resolve_group, resolve_mesh, timeout_s
@@ -230,6 +230,7 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
         rt._handles.append(model.register_forward_pre_hook(partial(cast_inputs, param_dtype), with_kwargs=True))
     SHARDED[model] = True
     optim.install(records, rt.scheduler)
+    grad_norm.install(rt, records)
     for rec in records:
         PARTITIONED[rec.param] = type(model).__name__
 
