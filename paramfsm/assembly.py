@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import full_state, grad_norm, memory, meta, model_changes, optim, rank_agreement
+from paramfsm import conversions, full_state, grad_norm, memory, meta, model_changes, optim, rank_agreement
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
 from paramfsm.engine.effects.collectives import resolve_group, resolve_mesh, timeout_s
@@ -215,10 +215,14 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
         rt.executor.rank_check = "header"
         log.info("paramfsm units of %s on rank %d:\n%s", type(model).__name__, trace_rank,
                  default_units.describe(rt.units))
+    try:
+        rt.offload = offload_plan(rt, offload)
+    except BaseException:
+        give_back(rt, records, born_meta)
+        raise
     for rec in records:
         partitioned.adopt(rec.param, rec, trace_rank)
         rt.executor.free((rec,))
-    rt.offload = offload_plan(rt, offload)
     if rt.offload is not None:
         rt.scheduler.attach_offload(rt.offload)
     rt._handles = hooks.install(model, rt.units, records, rt.scheduler.emit)
@@ -229,10 +233,36 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
     if param_dtype is not None:
         rt._handles.append(model.register_forward_pre_hook(partial(cast_inputs, param_dtype), with_kwargs=True))
     SHARDED[model] = True
+    conversions.guard(model)
     optim.install(records, rt.scheduler)
     grad_norm.install(rt, records)
     for rec in records:
         PARTITIONED[rec.param] = type(model).__name__
+
+
+def give_back(rt, records, born_meta: bool) -> None:
+    """Put each parameter's full values back after ``shard()`` refused a setting once the shards were cut.
+
+    [Note: a refused shard() changes nothing]
+    The offload plan is resolved on the built units (the predicate's answers, the
+    bounds against each unit's shard bytes, the tiers' folders and reserved
+    space), after :func:`~paramfsm.engine.storage.units.build_units` let each
+    full parameter go, so the model is never held twice. A refusal there must
+    still leave the model as it was: trainable, with the same values, and
+    shardable again. No hook, class or placeholder is in place yet, so the full
+    values are all-gathered from the shards (collective: the settings that fail
+    here fail on every rank alike) and put back; a parameter born on the meta
+    device goes back to meta.
+    """
+    try:
+        for rec in records:
+            if born_meta:
+                torch.utils.swap_tensors(rec.param, nn.Parameter(
+                    torch.empty(rec.shape, dtype=rec.param.dtype, device="meta"), requires_grad=rec.requires_grad))
+            else:
+                rec.param.data = full_state.gather(rt, rec, rec.shard)
+    finally:
+        rt.trace.close()
 
 
 def cast_inputs(dtype, module, args, kwargs):

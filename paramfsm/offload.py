@@ -147,6 +147,7 @@ def plan(rt, offload) -> OffloadPlan | None:
     try:
         return _build(rt, per_unit, residency, pagers, pager, bound)
     except BaseException:
+        residency.page_in_all(strict=False)  # shards already paged out come back before their tier goes
         for made in pagers.values():
             made.close()
         raise
