@@ -162,6 +162,11 @@ class ModelChanged(ParamFSMError):
             "rt = paramfsm.shard(model, ...), then build the optimizer anew.")
 
 
+class ConversionRefused(ParamFSMError):
+    """``model.double()``, ``.half()`` or ``.to(...)`` would change a partitioned parameter's dtype or device;
+    nothing was converted (see :mod:`paramfsm.conversions`)."""
+
+
 class UnsupportedOutput(ParamFSMError):
     """A unit's forward returned tensors of the autograd graph inside an object the hooks cannot look into
     (see :mod:`paramfsm.engine.events.outputs`); raised at that forward, before any backward could crash."""

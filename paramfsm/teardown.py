@@ -11,7 +11,7 @@ import sys
 
 from torch import nn
 
-from paramfsm import accumulation, full_state, model_changes
+from paramfsm import accumulation, conversions, full_state, model_changes
 from paramfsm.assembly import PARTITIONED, SHARDED
 from paramfsm.engine.events import hooks
 from paramfsm.engine.storage import partitioned, placeholder
@@ -32,6 +32,7 @@ def _forget(rt) -> None:
     rt.executor.unsynced.drop()
     rt.trace.close()
     SHARDED.pop(rt.model, None)
+    conversions.unguard(rt.model)
     for rec in rt._by_id.values():
         PARTITIONED.pop(rec.param, None)
     placeholder.forget_demands(rt._by_id.values())
