@@ -191,6 +191,7 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
     rt.table = compile_table(load_spec(spec)) if spec is not None else default_table()
     rt.units, by_id = build_units(model, units, rt.rank, rt.world, device=device, release=True)
     records = list(by_id.values())
+    compute_dtypes(model, records, param_dtype)
     rt._by_id = by_id
     rt._by_name = {name: rec for rec in records for name in rec.names}
     rt._index = {id(rec): i for i, rec in enumerate(records)}  # numbers full-tensor collectives
@@ -238,6 +239,28 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
     grad_norm.install(rt, records)
     for rec in records:
         PARTITIONED[rec.param] = type(model).__name__
+
+
+def compute_dtypes(model: nn.Module, records, param_dtype) -> None:
+    """Each record's compute dtype under ``param_dtype``: the gathered parameter's and its gradient's.
+
+    [Note: batch norms compute in their parameters' precision]
+    A batch norm's statistics are sums over the batch: in bfloat16 they lose
+    most of their digits, and torch's ``batch_norm`` takes low-precision inputs
+    only with full-precision weights and running statistics (it raised
+    "expected scalar type BFloat16 but found Float" against the float32
+    buffers). So, as FSDP's mixed precision does by default, the parameters of
+    every ``_BatchNorm`` (BatchNorm1d/2d/3d, SyncBatchNorm) keep their shard's
+    dtype; the batch norm then takes the ``param_dtype`` activations and returns
+    them in that dtype, and its gradients are reduced in full precision (a
+    bucket of mixed dtypes is reduced in the widest).
+    """
+    if param_dtype is None:
+        return
+    kept = {id(p) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for p in m.parameters(recurse=False)}
+    for rec in records:
+        rec.compute_dtype = rec.shard.dtype if id(rec.param) in kept else param_dtype
 
 
 def give_back(rt, records, born_meta: bool) -> None:

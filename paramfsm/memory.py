@@ -50,7 +50,7 @@ def memory(rt) -> dict[str, int]:
         if kind is not None and rec.local_view is None:
             data = rec.param.data
             size = data.numel() * data.element_size()
-            held[kind] += size if size else rec.numel * (rt.executor.param_dtype or shard.dtype).itemsize
+            held[kind] += size if size else rec.numel * rec.compute_dtype.itemsize
     held["unsynced_grads"] = rt.executor.unsynced.nbytes
     plan = getattr(rt, "offload", None)
     if plan is not None:

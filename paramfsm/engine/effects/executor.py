@@ -157,15 +157,15 @@ class Executor(Gathers):
     def free(self, records) -> None:
         """The free effect: ``param.data`` becomes an empty placeholder; only the shard stays live.
 
-        The placeholder has the compute dtype (``param_dtype``, else the shard's), so a
+        The placeholder has the record's compute dtype (``param_dtype``, else the shard's), so a
         parameter's dtype is the same gathered or not and autograd's ``AccumulateGrad``
         always sees gradients of the dtype it recorded. It raises
         :class:`~paramfsm.errors.NotGathered` when used (see :mod:`paramfsm.engine.storage.placeholder`).
         """
-        conceal, dtype = placeholder.conceal, self.param_dtype
+        conceal = placeholder.conceal
         for rec in records:
             shard = rec.shard
-            key = (dtype or shard.dtype, shard.device)
+            key = (rec.compute_dtype, shard.device)
             empty = self._empty.get(key)
             if empty is None:
                 empty = self._empty[key] = torch.empty(0, dtype=key[0], device=key[1])
@@ -201,7 +201,7 @@ class Executor(Gathers):
         for rec, grad in pairs:
             had = grad is not None
             if not had:
-                grad = torch.zeros(rec.shape, dtype=self.param_dtype or rec.shard.dtype, device=rec.shard.device)
+                grad = torch.zeros(rec.shape, dtype=rec.compute_dtype, device=rec.shard.device)
             self._take(rec, grad, had)
 
     def _take(self, rec, grad, had=None) -> None:

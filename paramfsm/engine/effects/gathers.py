@@ -68,27 +68,26 @@ class Gathers:
     def start_gather(self, records) -> None:
         """Issue the all-gather of ``records`` (the start_gather effect), packing what must be packed.
 
-        Without ``param_dtype``, a bucket whose parameters have different dtypes
-        is gathered as one all-gather per dtype, so each parameter comes back in
-        its own dtype (the order of the groups is the same on every rank).
+        Each parameter is gathered in its compute dtype (``param_dtype``, else its
+        shard's; batch norms keep their shard's: see ``compute_dtypes`` in
+        :mod:`paramfsm.assembly`). A bucket whose parameters have different
+        compute dtypes is gathered as one all-gather per dtype, so each parameter
+        comes back in its own (the order of the groups is the same on every rank).
         """
-        dtype = self.param_dtype
-        if dtype is None and not self.local:
-            first_dtype = records[0].shard.dtype
-            if any(r.shard.dtype != first_dtype for r in records):
+        if self.local:
+            for rec in records:
+                rec.staged = self._local_full(rec, rec.compute_dtype)
+            gather = Gather(records, None)
+        else:
+            dtype = records[0].compute_dtype
+            if any(r.compute_dtype != dtype for r in records):
                 by_dtype: dict = {}
                 for rec in records:
-                    by_dtype.setdefault(rec.shard.dtype, []).append(rec)
+                    by_dtype.setdefault(rec.compute_dtype, []).append(rec)
                 for group in by_dtype.values():
                     self.start_gather(tuple(group))
                 return
-        if self.local:
-            for rec in records:
-                rec.staged = self._local_full(rec, dtype)
-            gather = Gather(records, None)
-        else:
             first = records[0].shard
-            dtype = dtype or first.dtype
             on_cpu = first.device.type == "cpu"
             in_place = None  # which records go in place; only one of PERSISTENT_BYTES or more can
             if any(rec.nbytes >= PERSISTENT_BYTES for rec in records):
@@ -153,7 +152,7 @@ class Gathers:
     @staticmethod
     def _local_full(rec, dtype):
         """World 1: the shard is the whole parameter; gather it as a view (or a cast copy)."""
-        if dtype is not None and dtype != rec.shard.dtype:
+        if dtype != rec.shard.dtype:
             return rec.shard.detach().to(dtype).view(rec.shape)
         view = rec.local_view
         if view is None:

@@ -30,7 +30,8 @@ class ParamRecord(Lifetime):
     """One partitioned parameter: lifetime (from fsm) plus shard and buffers (executor-owned)."""
 
     __slots__ = ("param", "shard", "shape", "numel", "shard_numel", "units", "names",
-                 "requires_grad", "staged", "pending", "local_view", "full", "grad_hooks", "version")
+                 "requires_grad", "staged", "pending", "local_view", "full", "grad_hooks", "version",
+                 "compute_dtype")
 
     def __init__(self, name: str, param: nn.Parameter, shard: nn.Parameter, shard_numel: int):
         super().__init__(name, "", param.numel() * param.element_size())
@@ -48,6 +49,7 @@ class ParamRecord(Lifetime):
         self.full: torch.Tensor | None = None  # world > 1, large: the persistent full tensor (executor)
         self.grad_hooks: list = []  # handles of the gradient hooks while it requires grad (hooks.watch_grads)
         self.version: int | None = None  # the full parameter's version at its gather ([Note: a write to a ...])
+        self.compute_dtype = shard.dtype  # the gathered full parameter's (param_dtype: see compute_dtypes)
 
     def __repr__(self) -> str:
         return f"<ParamRecord {self.name} {self.state.name} holds={self.holds}>"
