@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
+from torch._guards import TracingContext
 from torch.utils.weak import WeakIdKeyDictionary
 
 from paramfsm.errors import NotGathered, ParamFSMError
@@ -110,7 +111,7 @@ def _get_grad(self):
     if grad is not None:
         return grad
     entry = OWNERS.get(self)
-    if entry is None:
+    if entry is None or TracingContext.try_get() is not None:  # [Note: a compiler sees no shard gradient]
         return None
     shard_grad = entry[0].shard.grad
     if shard_grad is None:
@@ -118,6 +119,16 @@ def _get_grad(self):
     view = shard_grad.as_subclass(ShardGrad)
     OWNERS[view] = entry
     return view
+
+
+#: [Note: a compiler sees no shard gradient]
+#: When ``torch.compile`` traces a forward that reads a parameter (a compiled block, a recompilation after an
+#: eval forward between steps, a smaller last batch), Dynamo describes the parameter to build its fake copy, and
+#: that reads ``.grad``. Between a backward and ``zero_grad`` the gradient is this rank's shard gradient, whose
+#: shape is not the parameter's and whose values are refused (:class:`ShardGrad`): the compilation failed with
+#: ``InternalTorchDynamoError(NotGathered)``, blaming a gradient read the user never made. A traced forward
+#: never uses the gradient, and autograd's own (the one accumulating now) is what it would see in plain torch,
+#: so while a compiler traces, a partitioned parameter reports autograd's gradient alone: None outside backward.
 
 
 def _set_grad(self, value) -> None:
