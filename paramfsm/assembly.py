@@ -34,7 +34,7 @@ from paramfsm.engine.schedule.flight import FlightRecorder, make_trace
 from paramfsm.engine.schedule.scheduler import Scheduler
 from paramfsm.engine.storage import default_units, partitioned, placeholder
 from paramfsm.engine.storage.units import build_units, select_unit_modules
-from paramfsm.engine.storage.unsupported import refuse_unsupported
+from paramfsm.engine.storage.unsupported import refuse_transforms, refuse_unsupported
 from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
 from paramfsm.offload import plan as offload_plan
 
@@ -228,7 +228,7 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
         rt.scheduler.attach_offload(rt.offload)
     rt._handles = hooks.install(model, rt.units, records, rt.scheduler.emit)
     rt._watch = model_changes.watch(model, records, trace_rank)
-    rt._handles.append(model.register_forward_pre_hook(eager(lambda module, args: rt._watch.check()), prepend=True))
+    rt._handles.append(model.register_forward_pre_hook(eager(partial(root_checks, rt, trace_rank)), prepend=True))
     meta.watch(rt, born_meta, device)
     placeholder.answer_demands(records, rt.scheduler.on_demand.demand)
     if param_dtype is not None:
@@ -239,6 +239,12 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
     grad_norm.install(rt, records)
     for rec in records:
         PARTITIONED[rec.param] = type(model).__name__
+
+
+def root_checks(rt, rank, module, args) -> None:
+    """The root forward's first pre-hook: refuse a torch.func transform, then any change to the model."""
+    refuse_transforms(rt._by_id.values(), rank)
+    rt._watch.check()
 
 
 def compute_dtypes(model: nn.Module, records, param_dtype) -> None:

@@ -205,9 +205,21 @@ class Executor(Gathers):
             self._take(rec, grad, had)
 
     def _take(self, rec, grad, had=None) -> None:
-        """Fold in the micro-batches kept under rt.no_sync (paramfsm.engine.effects.grad_sync), then queue it."""
+        """Fold in the micro-batches kept under rt.no_sync (paramfsm.engine.effects.grad_sync), then queue it.
+
+        [Note: sparse gradients]
+        ``Embedding(sparse=True)`` and ``EmbeddingBag(sparse=True)`` give a sparse
+        COO gradient of the rows the batch looked up. A reduce-scatter packs flat
+        dense gradients and every rank's shard gradient covers a slice of all the
+        rows, so the sparse gradient is made dense here, once, before it is packed:
+        the shard gradient is then the dense gradient plain torch's ``to_dense()``
+        would give, and an optimizer over shards steps it as a dense one
+        (``torch.optim.SparseAdam``, which takes only sparse gradients, refuses it).
+        """
         owned = not grad.requires_grad
         grad = grad if owned else grad.detach()
+        if grad.layout is not torch.strided:  # Embedding(sparse=True): see [Note: sparse gradients]
+            grad, owned = grad.to_dense(), True
         if self.unsynced:
             folded = self.unsynced.fold(rec, grad)
             if folded is not grad:  # a kept gradient: this rank has one, even when this backward gave none

@@ -9,6 +9,7 @@ README lists these modules.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
@@ -36,3 +37,31 @@ def refuse_unsupported(model: nn.Module) -> None:
                 "would renormalise only the rows of its own batch: the result would silently differ from plain "
                 "torch. What to do: build the module without max_norm (normalise its output instead, e.g. "
                 "F.normalize), or keep it out of the sharded model.")
+
+
+def refuse_transforms(records, rank: int) -> None:
+    """Raise :class:`ParamFSMError` when a ``torch.func`` transform runs the sharded model (root forward).
+
+    [Note: torch.func through a sharded model]
+    ``grad``, ``vmap``, ``jacrev`` and ``jvp`` run the forward under functorch
+    interpreters that wrap every tensor and differentiate without autograd's
+    engine: paramfsm's gradient routing (an ``autograd.Function`` with no vmap
+    rule), its post-backward callbacks (queued on the engine) and its hooks on
+    ``AccumulateGrad`` never run there, and ``functional_call`` swaps wrapped
+    tensors in for the partitioned parameters. The transform failed inside
+    paramfsm, or reported the parameters as replaced. So a root forward under a
+    transform is refused before anything is gathered.
+    """
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return
+    rec = next(iter(records), None)
+    name, unit, state = (rec.name, rec.unit, rec.state.name) if rec is not None else ("?", "?", "?")
+    raise ParamFSMError(
+        f"a torch.func transform (grad, vmap, jacrev, jvp, ...) ran the model sharded by paramfsm on rank {rank} "
+        f"(event 'forward' of the root; its first parameter '{name}', module "
+        f"'{name.rpartition('.')[0] or '<root>'}', unit '{unit}', state {state}): paramfsm gathers parameters "
+        "from module hooks and reduces gradients from autograd callbacks, which functorch's transforms do not "
+        "run, so the result would be wrong. Nothing was gathered. What to do: run the transform on a plain copy "
+        "of the model (plain.load_state_dict(rt.full_state_dict()), collective), or use torch.autograd "
+        "(torch.autograd.grad, is_grads_batched=True for batched vector-Jacobian products) on the sharded model."
+    )
