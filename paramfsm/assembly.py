@@ -235,8 +235,8 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
         rt._handles.append(model.register_forward_pre_hook(partial(cast_inputs, param_dtype), with_kwargs=True))
     SHARDED[model] = True
     conversions.guard(model)
-    optim.install(records, rt.scheduler)
-    grad_norm.install(rt, records)
+    optim.install(records, rt.scheduler, rt)
+    grad_norm.install()
     for rec in records:
         PARTITIONED[rec.param] = type(model).__name__
 

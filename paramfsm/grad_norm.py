@@ -38,20 +38,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import weakref
 
 import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as torch_clip
-from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import accumulation, full_state
+from paramfsm import accumulation, full_state, optim
 from paramfsm.errors import ParamFSMError
 
 log = logging.getLogger(__name__)
 
-#: every shard of every sharded model -> a weak reference to its runtime (plain clipping finds them here).
-_RUNTIMES = WeakIdKeyDictionary()
 _TORCH_TOTAL_NORM = getattr(torch_clip, "_get_total_norm", None)
 
 
@@ -131,12 +127,9 @@ def _resident(grad, *, write: bool):
 
 
 # ---------------------------------------------------------------------- plain clipping over shards
-def install(rt, records) -> None:
-    """Remember ``rt``'s shards and route torch's total-norm function through :func:`_total_norm` (once per
-    process; see [Note: plain clipping over shards])."""
-    ref = weakref.ref(rt)
-    for rec in records:
-        _RUNTIMES[rec.shard] = ref
+def install() -> None:
+    """Route torch's total-norm function through :func:`_total_norm` (once per process; see [Note: plain
+    clipping over shards])."""
     if _TORCH_TOTAL_NORM is None:
         log.warning("paramfsm: this torch has no torch.nn.utils.clip_grad._get_total_norm, so "
                     "torch.nn.utils.clip_grad_norm_ over shard parameters cannot be made global; clip with "
@@ -184,8 +177,8 @@ def _total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = Fals
 def _owners() -> dict:
     """id(shard gradient) -> its runtime, over every live sharded model."""
     out = {}
-    for shard, ref in list(_RUNTIMES.items()):
-        rt = ref()
+    for shard in optim.shards():
+        rt = optim.runtime_of(shard)
         if rt is not None and shard.grad is not None:
             out[id(shard.grad)] = rt
     return out

@@ -35,6 +35,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 
+from paramfsm import whole_params
 from paramfsm.errors import OffloadError
 from paramfsm.offload import optimizer_placement
 
@@ -56,8 +57,9 @@ def offloading(writers) -> list:
     return [(s, r) for s, r in writers if getattr(s, "offload_plan", None) is not None]
 
 
-def step_by_unit(optimizer, writers, args, kwargs) -> None:
-    """Step ``optimizer`` unit by unit over the offloaded runtimes in ``writers`` (module docstring)."""
+def step_by_unit(optimizer, writers, args, kwargs, runtimes=None) -> None:
+    """Step ``optimizer`` unit by unit over the offloaded runtimes in ``writers`` (module docstring), or, with
+    ``runtimes`` (each writer's runtime), on whole parameters (:mod:`paramfsm.whole_params`)."""
     args, kwargs = _own_pre_hooks(optimizer, args, kwargs)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
     if closure is not None:
@@ -69,12 +71,15 @@ def step_by_unit(optimizer, writers, args, kwargs) -> None:
     saved = [group["params"] for group in groups]
     stepped: set[int] = set()
     try:
-        for scheduler, records in writers:
-            _step_runtime(optimizer, scheduler, records, saved, stepped)
+        for i, (scheduler, records) in enumerate(writers):
+            if runtimes is not None:
+                whole_params.step_runtime(optimizer, runtimes[i], records, saved, stepped, _step_only)
+            else:
+                _step_runtime(optimizer, scheduler, records, saved, stepped)
         rest = {id(p) for params in saved for p in params if id(p) not in stepped}
         if rest:
             _step_only(optimizer, saved, rest)
-        for scheduler, _ in writers:
+        for scheduler, _ in writers if runtimes is None else ():
             scheduler.offload_plan.residency.end_step()
     except BaseException:
         for group, params in zip(groups, saved):

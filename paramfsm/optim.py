@@ -68,16 +68,17 @@ class OptimizerNotElementwise(ParamFSMError):
 
 
 #: [Note: element-wise optimizers]
-#: paramfsm steps every optimizer on each rank's flat 1-D shard of each parameter. That is the optimizer's own
-#: update only when each element's update depends on that element's gradient and state alone (plus scalars the
-#: ranks share: the step count, the learning rate). These ``torch.optim`` optimizers are so: their ``step`` is
-#: recognised, a subclass's included when it keeps the ``step`` (one changing defaults). Any other rule may read
-#: the parameter's shape or a whole-tensor quantity (Adafactor's factored second moment, Muon's
-#: orthogonalisation of the 2-D update, LAMB's and LARS's trust ratios, Shampoo's preconditioners, LBFGS's dot
-#: products over every parameter): on flat shards it computes something else with no error, or raises torch's
-#: own error about the shape. So its first step over shards is refused, naming the parameter, until the user
-#: declares it element-wise (:func:`elementwise`). Stepping such optimizers on whole parameters (gathered on an
-#: owner rank, the result scattered) is not built yet.
+#: paramfsm steps an optimizer on each rank's flat 1-D shard of each parameter only when that is the
+#: optimizer's own update: when each element's update depends on that element's gradient and state alone (plus
+#: scalars the ranks share: the step count, the learning rate). These ``torch.optim`` optimizers are so: their
+#: ``step`` is recognised, a subclass's included when it keeps the ``step`` (one changing defaults). Any other
+#: rule may read the parameter's shape or a whole-tensor quantity (Adafactor's factored second moment, Muon's
+#: orthogonalisation of the 2-D update, LAMB's and LARS's trust ratios, Shampoo's preconditioners): on flat
+#: shards it would compute something else with no error, or raise torch's own error about the shape. So it is
+#: stepped on whole parameters (:mod:`paramfsm.whole_params`), which costs two all-gathers per parameter per
+#: step and keeps its state replicated; an optimizer the user declares element-wise (:func:`elementwise`)
+#: steps shards instead. Where whole parameters cannot be stepped (a closure, an offloaded model), its first
+#: step is refused, naming the parameter and the declaration.
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
                torch.optim.ASGD, torch.optim.Rprop, torch.optim.SparseAdam)
@@ -105,22 +106,29 @@ def elementwise(optimizer_class: type) -> type:
     return optimizer_class
 
 
-def _refuse_unless_elementwise(optimizer) -> None:
-    """Raise :class:`OptimizerNotElementwise` for an optimizer over shards that is not known element-wise,
-    before anything is mapped or stepped."""
+def is_elementwise(optimizer) -> bool:
+    """Whether ``optimizer`` steps flat shards (see [Note: element-wise optimizers])."""
     cls = type(optimizer)
-    if _unwrapped(cls.step) in _STEPS or any(issubclass(cls, declared) for declared in _DECLARED):
-        return
+    return _unwrapped(cls.step) in _STEPS or any(issubclass(cls, declared) for declared in _DECLARED)
+
+
+def _refuse_whole(optimizer, why: str) -> None:
+    """Raise :class:`OptimizerNotElementwise`: a whole-parameter optimizer cannot step here (``why``)."""
+    cls = type(optimizer)
     name, unit, rank, state = _first_shard(optimizer)
     module = name.rpartition(".")[0] or "<root>"
     raise OptimizerNotElementwise(
-        f"{cls.__name__}.step() over paramfsm shards refused on rank {rank}: parameter '{name}' (module "
-        f"'{module}', unit '{unit}', {state}) would be stepped as this rank's flat 1-D shard, which is "
-        f"{cls.__name__}'s own update only if that update is element-wise. paramfsm recognises "
-        f"{', '.join(c.__name__ for c in ELEMENTWISE)}; an update that reads the parameter's shape or a "
-        "whole-tensor norm (Adafactor, Muon, LAMB, LARS, Shampoo, LBFGS) would silently compute something "
-        "else. What to do: use one of those optimizers, or, if this one is element-wise, declare it before its "
-        f"first step: paramfsm.optim.elementwise({cls.__name__}).")
+        f"{cls.__name__}.step() refused on rank {rank}: parameter '{name}' (module '{module}', unit '{unit}', "
+        f"{state}, event 'optimizer step'): {cls.__name__} is not known to be element-wise, so paramfsm steps "
+        f"it on whole parameters, which it cannot do {why}. paramfsm recognises "
+        f"{', '.join(c.__name__ for c in ELEMENTWISE)} as element-wise. What to do: {_WHOLE_FIX[why]}, or, if "
+        f"{cls.__name__}'s update is element-wise, declare it before its first step: "
+        f"paramfsm.optim.elementwise({cls.__name__}).")
+
+
+_CLOSURE = "with a closure (it is evaluated between updates, on shards)"
+_OFFLOADED = "under offload (the whole values would bypass the tiers)"
+_WHOLE_FIX = {_CLOSURE: "call step() without a closure", _OFFLOADED: "shard the model without offload"}
 
 
 def _first_shard(optimizer) -> tuple:
@@ -137,16 +145,28 @@ def _first_shard(optimizer) -> tuple:
     return "?", "?", "?", "state unknown"
 
 
-def install(records=(), scheduler=None) -> None:
+def install(records=(), scheduler=None, rt=None) -> None:
     """Register the global step pre-hook once per process; called by every ``paramfsm.shard`` with its
-    records and the scheduler that drives them."""
+    records, the scheduler that drives them and its runtime."""
     global _hook_handle, _generation
     _generation += 1
     ref = weakref.ref(scheduler) if scheduler is not None else None
+    rt_ref = weakref.ref(rt) if rt is not None else None
     for index, rec in enumerate(records):  # weak: a record holds its shard, the dictionary's key
-        _SHARDS[rec.shard] = (ref, index)
+        _SHARDS[rec.shard] = (ref, index, rt_ref)
     if _hook_handle is None:
         _hook_handle = register_optimizer_step_pre_hook(_before_step)
+
+
+def runtime_of(shard):
+    """The runtime whose shard ``shard`` is (None: not a live runtime's shard)."""
+    entry = _SHARDS.get(shard)
+    return entry[2]() if entry is not None and entry[2] is not None else None
+
+
+def shards():
+    """Every live sharded model's shards."""
+    return list(_SHARDS.keys())
 
 
 def _before_step(optimizer, args, kwargs):
@@ -157,6 +177,15 @@ def _before_step(optimizer, args, kwargs):
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
     if writers is not None:
         _refuse_local_scaler(optimizer)
+    if writers is not None and not is_elementwise(optimizer):
+        if closure is not None:
+            _refuse_whole(optimizer, _CLOSURE)
+        if offload_step.offloading(writers):
+            _refuse_whole(optimizer, _OFFLOADED)
+        _check_and_announce(optimizer, writers)
+        runtimes = [runtime_of(records[0].shard) for _, records in writers]
+        offload_step.step_by_unit(optimizer, writers, args, kwargs, runtimes)
+        return None
     if closure is None or writers is None or offload_step.offloading(writers):
         _check_and_announce(optimizer, writers)
         if writers is not None:
@@ -206,15 +235,15 @@ def _map(optimizer):
     fresh = seen is None or seen[0] != _generation
     start = 0 if fresh else seen[1]
     sharded = False if fresh else seen[2]
-    if any(record_of(p) is not None or p in _SHARDS for group in optimizer.param_groups[start:]
-           for p in group["params"]):
-        _refuse_unless_elementwise(optimizer)
+    shards_of = is_elementwise(optimizer)
     for group in optimizer.param_groups[start:]:
         params = group["params"]
-        if any(record_of(p) is not None for p in params):
+        if shards_of and any(record_of(p) is not None for p in params):
             group["params"] = [_shard_for(optimizer, p) for p in params]
             sharded = True
-        sharded = sharded or any(p in _SHARDS for p in params)
+        elif not shards_of and any(p in _SHARDS for p in params):
+            group["params"] = [_param_for(optimizer, p) for p in params]
+        sharded = sharded or any(p in _SHARDS or record_of(p) is not None for p in group["params"])
     writers = _writers(optimizer) if sharded else ()
     _MAPPED[optimizer] = (_generation, len(optimizer.param_groups), sharded,
                           tuple((weakref.ref(scheduler), records) for scheduler, records in writers))
@@ -243,7 +272,8 @@ def _writers(optimizer) -> tuple:
     by_scheduler: dict = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            entry = _SHARDS.get(p)
+            rec = record_of(p)  # a whole-parameter optimizer's parameter: its shard's entry
+            entry = _SHARDS.get(rec.shard if rec is not None else p)
             scheduler = entry[0]() if entry is not None and entry[0] is not None else None
             if scheduler is not None:
                 by_scheduler.setdefault(scheduler, {})[scheduler.records[entry[1]]] = None
@@ -322,3 +352,23 @@ def _shard_for(optimizer, param):
                 "its state from a checkpoint of the sharded run (paramfsm.checkpoint).")
         optimizer.state[shard] = state
     return shard
+
+
+def _param_for(optimizer, shard):
+    """The parameter of ``shard``, for a whole-parameter optimizer given shards (see [Note: whole-parameter
+    optimizers] in :mod:`paramfsm.whole_params`)."""
+    entry = _SHARDS.get(shard)
+    scheduler = entry[0]() if entry is not None and entry[0] is not None else None
+    if scheduler is None:
+        return shard
+    rec = scheduler.records[entry[1]]
+    state = optimizer.state.pop(shard, None)
+    if state:
+        optimizer.state[shard] = state
+        raise OptimizerStateMismatch(
+            f"{type(optimizer).__name__} holds state for the shard of '{rec.name}' (unit '{rec.unit}', rank "
+            f"{scheduler.ctx.rank}), but it steps whole parameters (it is not known to be element-wise), so its "
+            "state is the full parameter's. What to do: load its state from a checkpoint of a run that stepped "
+            "whole parameters, or declare the optimizer element-wise if it is "
+            f"(paramfsm.optim.elementwise({type(optimizer).__name__})).")
+    return rec.param

@@ -44,6 +44,7 @@ from paramfsm import meta, optim
 from paramfsm.checkpoint import layout as model_layout
 from paramfsm.checkpoint import paged_pieces
 from paramfsm.core.spec import State
+from paramfsm.engine.storage.partitioned import record_of
 from paramfsm.errors import ArgumentError, ParamFSMError
 
 OPTIM_PREFIX = "optim."
@@ -176,13 +177,14 @@ def load_sharded_state_dict(rt, state_dict) -> None:
 def _optim_names(rt, optimizer) -> dict[int, str]:
     """Optimizer parameter index (as in ``optimizer.state_dict()``) -> qualified parameter name."""
     by_shard = {id(rec.shard): rec for rec in rt._by_id.values()}
+    by_shard.update({id(rec.param): rec for rec in rt._by_id.values()})  # a whole-parameter optimizer's
     names, index = {}, 0
     for group in optimizer.param_groups:
         for param in group["params"]:
             rec = by_shard.get(id(param))
             if rec is None:
-                raise ParamFSMError("the optimizer holds a tensor that is not a shard of this runtime; "
-                                    "build it on rt.shard_parameters()")
+                raise ParamFSMError("the optimizer holds a tensor that is not a shard or a parameter of this "
+                                    "runtime; build it on rt.shard_parameters() or model.parameters()")
             names[index] = rec
             index += 1
     return names
@@ -191,9 +193,11 @@ def _optim_names(rt, optimizer) -> dict[int, str]:
 def _init_optim_state(optimizer) -> None:
     """Create the optimizer's state tensors (one zero-gradient step that leaves shards unchanged)."""
     optim.map_optimizer(optimizer)  # a new optimizer over model.parameters() is mapped at its first step
-    shards = [p for group in optimizer.param_groups for p in group["params"]]
-    if all(optimizer.state.get(p) for p in shards):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(optimizer.state.get(p) for p in params):
         return
+    # A whole-parameter optimizer holds the parameters: their shards take the zero gradients and the step.
+    shards = [rec.shard if rec is not None else p for p, rec in zip(params, map(record_of, params))]
     saved = [(p, p.detach().clone(), p.grad) for p in shards]
     for p in shards:
         p.grad = torch.zeros_like(p)
@@ -215,15 +219,16 @@ def _optim_state(rt, optimizer, layout: str, streaming: bool = False) -> dict:
     _check_layout(layout)
     where = _mesh(rt) if layout == "flat" else None
     recs = _optim_names(rt, optimizer)
+    whole = not optim.is_elementwise(optimizer)  # its state is of whole parameters (paramfsm.whole_params)
     state = optimizer.state_dict()
     out = {}
     for index, entries in state["state"].items():
         rec = recs[index]
         for key, value in entries.items():
             name = f"{OPTIM_PREFIX}{rec.name}.{key}"
-            if isinstance(value, torch.Tensor) and value.shape == rec.shard.shape:
+            if isinstance(value, torch.Tensor) and value.shape == rec.shard.shape and not whole:
                 out[name] = _shaped(rt, rec, value, where, streaming)
-            else:
+            else:  # a scalar, or a whole-parameter optimizer's state: the same on every rank
                 out[name] = value
     groups = []
     for group in state["param_groups"]:
@@ -236,16 +241,18 @@ def load_sharded_optim_state_dict(rt, optimizer, state_dict) -> None:
     """Load an optimizer state saved by :func:`sharded_optim_state_dict` (at any world size)."""
     _init_optim_state(optimizer)
     recs = _optim_names(rt, optimizer)
+    whole = not optim.is_elementwise(optimizer)  # its state is of whole parameters (paramfsm.whole_params)
     with torch.no_grad():
         for index, rec in recs.items():
-            entries = optimizer.state[rec.shard]
+            key_tensor = rec.param if whole else rec.shard
+            entries = optimizer.state[key_tensor]
             if any(f"{OPTIM_PREFIX}{rec.name}.{key}" not in state_dict for key in entries):
-                del optimizer.state[rec.shard]  # saved without state: it starts without, as in plain torch
+                del optimizer.state[key_tensor]  # saved without state: it starts without, as in plain torch
                 continue
             for key in list(entries):
                 name = f"{OPTIM_PREFIX}{rec.name}.{key}"
                 src = state_dict[name]
-                if isinstance(entries[key], torch.Tensor) and entries[key].shape == rec.shard.shape:
+                if isinstance(entries[key], torch.Tensor) and entries[key].shape == rec.shard.shape and not whole:
                     model_layout.write_shard(rt, rec, entries[key], src, name)
                 elif isinstance(entries[key], torch.Tensor):
                     entries[key].copy_(src)
