@@ -186,18 +186,29 @@ def _on_input_grad(emit, unit, grad):
     return None
 
 
-def _route_inputs(emit, unit, tensors: list, link: tuple | None = None):
+def _route_inputs(emit, unit, tensors: list, link: tuple | None = None, in_root: bool = True):
     """Arrange one POST_BACKWARD per call; return replacement tensors (or None to keep the inputs).
 
-    One non-leaf input: the pre-backward hook of the unit that produced it
-    (see [Note: a chain of units shares one hook]), else a hook on that
-    tensor; either fires once its gradient is complete, i.e. after this
-    unit's backward (cheap, no extra node); see [Note: a unit is released
-    before the unit below it is fetched]. Several inputs, or leaf inputs:
-    route them through :class:`_PostBackward`, whose single node fires after
-    all of them.
+    One non-leaf input inside the root forward: the pre-backward hook of the
+    unit that produced it (see [Note: a chain of units shares one hook]),
+    else a hook on that tensor; either fires once its gradient is complete,
+    i.e. after this unit's backward (cheap, no extra node); see [Note: a unit
+    is released before the unit below it is fetched]. Several inputs, leaf
+    inputs, or a call outside the root forward: route them through
+    :class:`_PostBackward`, whose single node fires after all of them.
+
+    [Note: a call on its own ends only its own backward]
+    A hook on the input tensor belongs to the tensor, not to the call: it
+    fires whenever a backward completes that tensor's gradient. A unit (or a
+    merged member) called on its own outside the root forward, on an
+    activation that the root forward's graph also uses (a head run again on
+    saved hidden states, a sub-module probed and its output dropped), would
+    then end the unit's backward while the root forward's backward still runs
+    through it: its hold was released early and a frozen parameter, which no
+    gradient holds, was read empty ("weight of shape [0]"). The node of
+    :class:`_PostBackward` is part of the call's own graph and dies with it.
     """
-    if len(tensors) == 1:
+    if len(tensors) == 1 and in_root:
         node = tensors[0].grad_fn
         if node is not None:
             if link is not None and node is link[0]:
@@ -227,7 +238,7 @@ def _pre_forward(emit, unit, chain, module, args, kwargs):
         positions = [i for i, a in enumerate(args) if a.requires_grad]
         if not positions:
             return None
-        routed = _route_inputs(emit, unit, [args[i] for i in positions], link)
+        routed = _route_inputs(emit, unit, [args[i] for i in positions], link, chain.open)
         if routed is None:
             return None
         new_args = list(args)
@@ -238,7 +249,7 @@ def _pre_forward(emit, unit, chain, module, args, kwargs):
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
         return None
-    routed = _route_inputs(emit, unit, [flat[i] for i in positions])
+    routed = _route_inputs(emit, unit, [flat[i] for i in positions], None, chain.open)
     if routed is None:
         return None
     for i, tensor in zip(positions, routed):
