@@ -50,6 +50,7 @@ from paramfsm import meta
 from paramfsm.core.spec import State
 from paramfsm.engine.effects import kernels, rankcheck
 from paramfsm.engine.effects.collectives import all_gather_flat, coalesced
+from paramfsm.engine.effects.gathers import BACKWARD_END
 from paramfsm.errors import ParamFSMError
 
 PARAMETER, GRADIENT = "parameter", "gradient"
@@ -62,7 +63,7 @@ def collective_names(units, records) -> tuple[str, ...]:
     names = [unit.name for unit in units]
     for rec in records:
         names += [f"<full {PARAMETER} '{rec.name}'>", f"<full {GRADIENT} '{rec.name}'>"]
-    return tuple(names + [f"<all-reduce of {what}>" for what in REDUCTIONS])
+    return tuple(names + [f"<all-reduce of {what}>" for what in REDUCTIONS] + [BACKWARD_END])
 
 
 def _step(rt) -> int:

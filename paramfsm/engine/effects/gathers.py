@@ -60,6 +60,8 @@ from paramfsm.engine.effects.streams import GATHER
 
 #: Parameters from this size on keep one full tensor for life whose storage is freed and regrown.
 PERSISTENT_BYTES = 64 * 1024
+#: The name the agreement at the end of a backward has among the collectives a tag can point at.
+BACKWARD_END = "<agreement at the end of a backward>"
 
 
 class Gathers:
@@ -126,6 +128,40 @@ class Gathers:
         shard = rec.shard
         return (rec.nbytes >= PERSISTENT_BYTES and rec.numel % self.world == 0 and shard.dtype == dtype
                 and shard.device.type == "cpu")
+
+    def agree_backward_end(self, device) -> None:
+        """Every rank tells the others how many gathers and reduce-scatters it issued, at the end of each
+        outermost backward (gloo on the CPU, where collectives agree their sizes; elsewhere ``debug=True``).
+
+        [Note: a backward that reached other units on other ranks]
+        A loss that reads different outputs on different ranks (a rank-dependent branch in the loss) makes
+        one rank's backward reach units another's does not: that rank regathers or reduces more. Its extra
+        collective waits for a peer that has already left the backward. When the peer's next collective is
+        paramfsm's, the two meet and the rank check raises RankDesync on both; but when it is the user's
+        own (a logged loss all-reduced, a barrier) or another group's, both wait until
+        ``collective_timeout``. So each backward ends with this small tagged all-gather of the counters: it
+        meets the extra collective, whose tag differs, and every rank raises RankDesync within the
+        backward, naming both. It costs one small collective per backward (about 0.25 ms on gloo).
+        """
+        if self.world == 1 or self.rank_check is None or device.type != "cpu":
+            return
+        if BACKWARD_END not in self.unit_names:
+            return
+        fields = (self.counters.all_gathers, self.ctx.step if self.ctx is not None else 0,
+                  self.unit_names.index(BACKWARD_END), self.counters.reduce_scatters)
+        flat = torch.zeros(1, dtype=torch.float32, device=device)
+        named = None
+        if self.rank_check == "tag":
+            named = self.agree_first("all-gather", fields, flat, ())
+        else:
+            rankcheck.check_header(fields, self.rank, self.world, self.group, self.unit_names, "all-gather",
+                                   self.timed_wait("rank-check header", ()))
+        send = torch.cat([flat, rankcheck.encode(fields, flat.dtype, device)])
+        recv = torch.empty(self.world * send.numel(), dtype=send.dtype, device=device)
+        with coalesced(named):
+            work = all_gather_flat(recv, send, self.group, async_op=True)
+        self.timed_wait("agreement at the end of a backward", ())(work)
+        rankcheck.check_encoded(recv.view(self.world, -1)[:, 1:], self.rank, self.unit_names)
 
     def agree_first(self, what: str, fields: tuple[int, ...], tensor, records) -> tuple[int, ...] | None:
         """Agree the sizes of the collective ``what`` (tagged ``fields``) before it moves, by default on

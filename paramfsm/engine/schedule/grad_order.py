@@ -210,6 +210,9 @@ class GradRouting:
             self._step_all(unsynced.due(), "grad_sync")
             unsynced.reached.clear()
         self._executor.finish_reduces()
+        device = next((rec.shard.device for unit in self._units for rec in unit.records), None)
+        if device is not None:  # [Note: a backward that reached other units on other ranks]
+            self._executor.agree_backward_end(device)
 
     def drop(self, records) -> None:
         """Take the gradients of an interrupted backward off these full parameters, unused (see [Note: an
