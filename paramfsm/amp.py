@@ -53,7 +53,8 @@ class GradScaler(torch.amp.GradScaler):
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         optim.map_optimizer(optimizer)  # unscale the shard gradients, never the placeholders
         accumulation.require_synced(self.rt, "GradScaler.unscale_()")
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        with optim.shards_in_groups(optimizer):  # a whole-parameter optimizer holds the parameters
+            per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         rt = self.rt
         if rt.world > 1:
             agreed = torch.zeros((), dtype=torch.float32, device=found_inf.device)

@@ -33,6 +33,7 @@ or a model sharded after the optimizer first stepped, is mapped at the next step
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 
@@ -156,6 +157,26 @@ def install(records=(), scheduler=None, rt=None) -> None:
         _SHARDS[rec.shard] = (ref, index, rt_ref)
     if _hook_handle is None:
         _hook_handle = register_optimizer_step_pre_hook(_before_step)
+
+
+@contextlib.contextmanager
+def shards_in_groups(optimizer):
+    """For the block, a whole-parameter optimizer's groups hold its parameters' shards: for code that reads
+    every gradient of the groups element-wise (a scaler's ``unscale_``), where the parameters' own ``.grad``
+    refuses to be read as a whole gradient. An element-wise optimizer's groups already hold shards."""
+    groups = optimizer.param_groups
+    if is_elementwise(optimizer):
+        yield
+        return
+    saved = [group["params"] for group in groups]
+    for group in groups:
+        group["params"] = [rec.shard if rec is not None else p
+                           for p, rec in zip(group["params"], map(record_of, group["params"]))]
+    try:
+        yield
+    finally:
+        for group, params in zip(groups, saved):
+            group["params"] = params
 
 
 def runtime_of(shard):
