@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from paramfsm.verify import sync_checks
 from paramfsm.verify.engine import probe
 from paramfsm.verify.ops import (
-    Backward, Checkpoint, Clip, Config, Drop, Forward, FullState, GradSync, NoSync, Overflow, Penalty, Program,
+    Backward, Checkpoint, Clip, ClosureStep, Config, Drop, Forward, FullState, GradSync, NoSync, Overflow, Penalty, Program,
     RequiresGrad, Step, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.programs import CANONICAL, canonical, kept_alternate, programs
@@ -25,14 +25,16 @@ from paramfsm.verify.runner import Options, run_program
 
 SUBJECT = "paramfsm.testing.subjects:branchy_lm"
 SHAPE = probe(SUBJECT)
-NEEDS_SYNC = (Step, Clip, Unscale, Overflow, RequiresGrad)
+NEEDS_SYNC = (Step, Clip, Unscale, Overflow, RequiresGrad, ClosureStep)
 
 
 def _walk(program: Program) -> Counter:
     """Follow the program's sync state; assert it is a loop paramfsm accepts; count what it exercises."""
     seen: Counter = Counter()
     sync_on, window, kept = True, False, False
-    for op in program.ops:
+    # A ClosureStep runs its inner ops (the closure's forward and backward) and then steps.
+    flat = [x for op in program.ops for x in ((*op.inner, op) if isinstance(op, ClosureStep) else (op,))]
+    for op in flat:
         seen[type(op).__name__] += 1
         if isinstance(op, NoSync):
             assert op.enter != window, f"unbalanced no_sync window in {program.ops}"

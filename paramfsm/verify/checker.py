@@ -40,7 +40,7 @@ from paramfsm.verify import checks, loop_helpers, rank_loss, sync_checks, user_l
 from paramfsm.verify.mirror import Mirror, loss_of, penalised  # noqa: F401 - re-exported for the runner
 from paramfsm.verify.ops import (
     Backward, Checkpoint, Clip, ClosureStep, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered,
-    GatheredWrite, GradSync, Interrupted, Loss, NoSync, PartStep, Penalty, RankLoss, Save, Step, SubForward, SyncGradients, ZeroGrad,
+    GatheredWrite, GradSync, Interrupted, Loss, NoSync, PartStep, Penalty, RankLoss, Restore, Save, Step, SubForward, SyncGradients, ZeroGrad,
 )
 from paramfsm.verify.subject import describe, global_batch, split
 from paramfsm.verify.verdicts import Failed, Rejected, agree  # noqa: F401 - re-exported for the runner
@@ -268,6 +268,9 @@ class Checker:
         if problems:
             raise Failed("stale data", problems)
         state_op = isinstance(op, (FullState, Checkpoint, Save))  # one all-gather per parameter, by design
+        # A whole-parameter optimizer's step gathers each parameter and its gradient (paramfsm.whole_params);
+        # a ClosureStep is refused under one, and a Restore primes the state with a step.
+        state_op += 2 * (self.config.optimizer != "subject" and isinstance(op, (Step, PartStep, Restore)))
         forwards = len(op.batches) - 1 if isinstance(op, Evaluate) else 0  # an eval segment's later forwards
         problems = checks.communication(type(op).__name__, self._before, rt.counters,
                                         all_deferred=self._all_deferred,

@@ -131,6 +131,10 @@ def offload_policy(subject, config, world: int):
         return subject.offload, None
     if config.offload is None:
         return None, None
+    if config.offload == "cpu-bounded":  # about a third of the offloaded values fit: paging between uses
+        bound = sum(-(-p.numel() // world) * p.element_size() for p in subject.model.parameters())
+        return Offload(params="cpu" if world > 1 else None, optimizer="cpu", grads="cpu",
+                       max_resident_bytes=bound), None
     folder = tempfile.mkdtemp(prefix="paramfsm-verify-offload-") if config.offload == "disk" else None
     return Offload(params=config.offload if world > 1 else None, optimizer=config.offload, grads=config.offload,
                    path=folder), folder

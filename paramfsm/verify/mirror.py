@@ -113,7 +113,7 @@ class Mirror:
     def __init__(self, subject, world: int, config: Config = Config(), reference=None, rank_order: bool = False):
         self.rank_order = rank_order  # the noise reference: see [Note: plain torch's own noise]
         self.model = copy.deepcopy(subject.model if reference is None else reference)
-        self.opts = user_loops.optimizers(subject, self.model, self.model.parameters())
+        self.opts = user_loops.optimizers(subject, self.model, self.model.parameters(), config)
         self.opt = self.opts[0]
         self.loss_fn = subject.loss_fn
         self.world, self.config = world, config
@@ -254,7 +254,10 @@ class Mirror:
             self.acts.pop(op.out, None)
             for k in op.losses:
                 del self.losses[k]
-        elif isinstance(op, (ZeroGrad, Interrupted)):  # an interrupted backward's gradients are zeroed after it
+        elif isinstance(op, ZeroGrad):
+            for opt in self.opts:
+                opt.zero_grad(set_to_none=self.config.zero_grad_to_none)
+        elif isinstance(op, Interrupted):  # an interrupted backward's gradients are zeroed after it
             for opt in self.opts:
                 opt.zero_grad()
         elif isinstance(op, Step):

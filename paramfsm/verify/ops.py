@@ -62,13 +62,23 @@ class Config:
     #: its backward), or the names of the units kept (``""``: the root), as the predicate
     #: ``lambda name, module: name not in KEPT`` (see :func:`paramfsm.verify.loop_helpers.reshard_policy`).
     reshard_after_forward: bool | tuple[str, ...] = True
-    #: ``offload``: None, ``"cpu"`` or ``"disk"``: the shards (on two or more ranks) and the optimizer state in
-    #: that tier, nothing else resident (``paramfsm.Offload(max_resident_bytes=None)``; see
-    #: :func:`paramfsm.verify.loop_helpers.offload_policy`).
+    #: ``offload``: None, ``"cpu"`` or ``"disk"``: the shards (on two or more ranks), their gradients and the
+    #: optimizer state in that tier, nothing else resident (``paramfsm.Offload(max_resident_bytes=None)``);
+    #: ``"cpu-bounded"``: in the CPU tier with a resident set of one model's shard bytes, so some values stay
+    #: resident between uses and others are paged out (see :func:`paramfsm.verify.loop_helpers.offload_policy`).
     offload: str | None = None
     #: ``units``: how the model is cut into units (see :data:`UNIT_CHOICES`); ``"default"`` is what the user's
     #: own ``shard()`` call does with the subject's ``units`` and ``min_unit_bytes``.
     units: str = "default"
+    #: ``optimizer``: ``"subject"`` (the subject's own) or ``"adafactor"`` (``torch.optim.Adafactor``, whose update
+    #: reads each parameter's shape: paramfsm steps it on whole parameters); see
+    #: :func:`paramfsm.verify.user_loops.make_optimizer`.
+    optimizer: str = "subject"
+    #: ``step_hooks``: each optimizer carries a step pre-hook that decays its learning rate (a schedule kept in
+    #: a hook), which must run once per ``step()`` (:func:`paramfsm.verify.user_loops.decay_lr`).
+    step_hooks: bool = False
+    #: ``zero_grad_to_none``: the ``set_to_none`` of every ``ZeroGrad``'s ``opt.zero_grad(...)``.
+    zero_grad_to_none: bool = True
 
     @property
     def scaled(self) -> bool:

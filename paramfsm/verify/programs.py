@@ -280,14 +280,23 @@ def configs(shape: Shape | None = None) -> st.SearchStrategy[Config]:
     return st.builds(
         Config,
         units=st.sampled_from(units),
-        offload=st.sampled_from((None, None, None, "cpu", "disk")),
+        offload=st.sampled_from((None, None, None, "cpu", "disk", "cpu-bounded")),
+        optimizer=st.sampled_from(("subject", "subject", "adafactor")),
+        step_hooks=st.booleans(),
+        zero_grad_to_none=st.sampled_from((True, False)),
         retain=st.sampled_from(("defer", "regather", "defer")),
         prefetch=st.sampled_from((1, 0, 2)),
         bucket_bytes=st.sampled_from((8 << 20, 1)),
         max_deferred_bytes=st.sampled_from((None, 4096, None)),
         param_dtype=st.sampled_from((None, "float16", "bfloat16")),
         reshard_after_forward=st.sampled_from((True, True, True, False) + kept),
-    )
+    ).map(lambda c: _whole_steppable(c, shape))
+
+
+def _whole_steppable(config: Config, shape: Shape | None) -> Config:
+    """A whole-parameter optimizer is refused under offload (paramfsm.whole_params): the subject's then."""
+    offloaded = config.offload is not None or (shape is not None and shape.offload)
+    return attrs.evolve(config, optimizer="subject") if offloaded else config
 
 
 def intents(max_ops: int) -> st.SearchStrategy[list]:

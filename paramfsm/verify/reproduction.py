@@ -56,7 +56,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
                    | {"in_place_on_view" for op in program.ops if isinstance(op, SubForward) and op.view}
                    | {"tree_loss" for op in program.ops if isinstance(op, Loss) and op.variant in TREE_VARIANTS
                       or isinstance(op, RankLoss)}
-                   | {"interrupt" for op in program.ops if isinstance(op, Interrupted)})
+                   | {"interrupt" for op in program.ops if isinstance(op, Interrupted)}
+                   | {"optimizers"})
     inner = [i for op in program.ops if isinstance(op, ClosureStep) for i in op.inner]
     used = sorted({type(op).__name__ for op in (*program.ops, *inner)} | {"Config"})
     tiered = bool(offload or program.config.offload)  # the script shards with an offload policy
@@ -120,8 +121,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         *([f"    scaler = paramfsm.amp.GradScaler(rt, {', '.join(f'{k}={v!r}' for k, v in SCALER.items())})"]
           if scaled else []),
         f"    check.attach(rt{', scaler' if scaled else ''})",
-        ("    opts = [subject.optimizer(model.get_submodule(part).parameters()) for part in subject.parts]  # one "
-         "per part" if parts else "    opt = subject.optimizer(rt.shard_parameters())"),
+        ("    opts = optimizers(subject, model, rt.shard_parameters(), config)  # one per part, as config says"
+         if parts else "    opt, = optimizers(subject, model, rt.shard_parameters(), config)  # built as config says"),
         *(["    window = contextlib.ExitStack()  # a rt.no_sync() window spanning several ops"]
           if "NoSync" in used else []),
         "",
@@ -241,7 +242,7 @@ def _render_op(op, seen: set[int], config, script: _Script) -> list[str]:
         acts = [f"acts{op.out}"] if op.out in script.sources else []
         return ["del " + ", ".join([f"out{op.out}"] + [f"loss{k}" for k in op.losses] + acts)]
     if isinstance(op, ZeroGrad):
-        return [script.each("opt.zero_grad()")]
+        return [script.each("opt.zero_grad(set_to_none=config.zero_grad_to_none)")]
     if isinstance(op, Interrupted):
         return [*_batch_line(op.batch, seen),
                 f"interrupt(model, {op.module!r}, x{op.batch})  # its backward raises inside an autograd.Function",

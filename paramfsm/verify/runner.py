@@ -131,7 +131,7 @@ class Run:
         self.neighbour = another_run(self.offload, rank, world)  # a second run sharing a disk tier's folder
         self.scaler = paramfsm.amp.GradScaler(self.rt, **SCALER) if c.scaled else None
         self.check.attach(self.rt, self.scaler)
-        self.opts = user_loops.optimizers(subject, self.model, self.rt.shard_parameters())
+        self.opts = user_loops.optimizers(subject, self.model, self.rt.shard_parameters(), c)
         self.outs: dict = {}
         self.losses: dict = {}
         self.sources = {op.source for op in program.ops if isinstance(op, SubForward)}
@@ -190,7 +190,7 @@ class Run:
                 del self.losses[k]
         elif isinstance(op, ZeroGrad):
             for opt in self.opts:
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=self.program.config.zero_grad_to_none)
         elif isinstance(op, Interrupted):
             self._interrupted(op)
         elif isinstance(op, Step):

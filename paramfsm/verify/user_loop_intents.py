@@ -47,7 +47,8 @@ from paramfsm.verify.ops import (
 #: Intent kinds this mixin handles (see :meth:`UserLoopIntents.user_loop_op`).
 USER_LOOP_KINDS = ("sub_forward", "part", "gan", "gathered_write", "evaluate", "save_restore", "sub_forward",
                    "gathered_write", "gathered_write",  # writes are drawn in fp32 programs only
-                   "rank_loss", "closure_step", "closure_step")
+                   "rank_loss", "closure_step", "closure_step",
+                   "save_restore")  # a restore needs a save and a step before it: drawn twice
 
 
 def learn(subject, inputs, modules: tuple[str, ...]) -> dict:
@@ -207,8 +208,9 @@ class UserLoopIntents:
         the last micro-batch, which synchronises them (the closure keeps their gradients); ``a`` even: the
         closure zeroes the gradients first. The forwards run in ``AUTO_MODES[(a // 2) % 3]``.
         """
-        offloaded = self.config.offload is not None or self.shape.offload
-        if self.shape.optimizers != 1 or self.config.scaled or offloaded or not self.sync_on or self.window:
+        # A closure is refused under offload and by a whole-parameter optimizer (paramfsm.whole_params).
+        refused = self.config.offload is not None or self.shape.offload or self.config.optimizer != "subject"
+        if self.shape.optimizers != 1 or self.config.scaled or refused or not self.sync_on or self.window:
             return
         mode = AUTO_MODES[(a // 2) % len(AUTO_MODES)]
         accumulate = a % 2 == 1

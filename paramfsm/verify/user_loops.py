@@ -182,7 +182,30 @@ def interrupt(model: nn.Module, module: str, inputs) -> None:
         pass
 
 
-def optimizers(subject, model: nn.Module, everything) -> list:
-    """One optimizer per part of ``Subject(parts=...)``, over the part's parameters; else one over ``everything``."""
-    return [subject.optimizer(model.get_submodule(part).parameters()) for part in subject.parts] or [
-        subject.optimizer(everything)]
+#: ``decay_lr``'s factor per step.
+HOOK_DECAY = 0.9
+
+
+def make_optimizer(subject, config):
+    """The optimizer factory of a program: the subject's, or Adafactor (``Config.optimizer``)."""
+    if config.optimizer == "adafactor":
+        return lambda params: torch.optim.Adafactor(params, lr=0.01)
+    return subject.optimizer
+
+
+def decay_lr(optimizer, args, kwargs) -> None:
+    """A step pre-hook (``Config.step_hooks``): every group's learning rate times :data:`HOOK_DECAY`, once per
+    ``step()``, before the update, as in plain torch."""
+    for group in optimizer.param_groups:
+        group["lr"] *= HOOK_DECAY
+
+
+def optimizers(subject, model: nn.Module, everything, config) -> list:
+    """One optimizer per part of ``Subject(parts=...)``, over the part's parameters; else one over ``everything``;
+    built and hooked as ``config`` says."""
+    make = make_optimizer(subject, config)
+    opts = [make(model.get_submodule(part).parameters()) for part in subject.parts] or [make(everything)]
+    if config.step_hooks:
+        for opt in opts:
+            opt.register_step_pre_hook(decay_lr)
+    return opts
