@@ -46,10 +46,15 @@ def not_gathered_job(rank, world):
         "arithmetic": _messages(lambda: weight.sum()),
         "matmul": _messages(lambda: x @ weight.T),
         "state_dict": _messages(lambda: model.state_dict()),
-        "to": _messages(lambda: model.to(torch.float64)),
         "functional": _messages(lambda: torch.nn.functional.linear(x, weight)),
         "save": _messages(lambda: torch.save(dict(model.named_parameters()), io.BytesIO())),
     }
+    try:  # a dtype conversion is refused before anything converts (tests/test_atomic_refusals.py)
+        model.to(torch.float64)
+    except paramfsm.errors.ConversionRefused as exc:
+        assert "'0.weight'" in str(exc) and f"rank {rank}" in str(exc), str(exc)
+    else:
+        raise AssertionError("model.to(torch.float64) was not refused")
     # metadata stays readable (and logical, like a DTensor's), and nothing was gathered by the failed uses
     assert weight.requires_grad and weight.shape == (8, 4) and weight.numel() == 32
     pair.assert_states(State.NOT_AVAILABLE, what="after the failed uses")

@@ -123,7 +123,8 @@ def test_a_gather_that_keeps_nothing_and_the_names_of_full_tensor_collectives(on
         assert names == tuple(unit.name for unit in rt.units) + (
             "<full parameter 'weight'>", "<full gradient 'weight'>",
             "<full parameter 'bias'>", "<full gradient 'bias'>",
-            "<all-reduce of the gradient norm>", "<all-reduce of the scaler's found_inf>")
+            "<all-reduce of the gradient norm>", "<all-reduce of the scaler's found_inf>",
+            "<agreement at the end of a backward>")
     finally:
         rt.close()
 
@@ -300,7 +301,7 @@ def test_optimizer_state_of_tensors_that_are_not_shards_is_refused(one_rank):
     rt = paramfsm.shard(_model(0))
     try:
         stray = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
-        with pytest.raises(ParamFSMError, match="not a shard of this runtime; build it on rt.shard_parameters"):
+        with pytest.raises(ParamFSMError, match="not a shard or a parameter of this runtime; build it on rt.shard_parameters"):
             checkpoint.sharded_optim_state_dict(rt, stray)
     finally:
         rt.close()

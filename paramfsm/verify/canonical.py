@@ -115,4 +115,17 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
     (Config(reshard_after_forward=False, max_deferred_bytes=4096), (("multi_loss", 0, 0, False),
                                                                      ("step", 0, 0, False),
                                                                      ("multi_loss", 0, 1, True))),
+    # paramfsm #53. A whole-parameter optimizer (Adafactor: its update reads each parameter's shape) over
+    # accumulated gradients, clipped by torch's own clip_grad_norm_ over the shards, saved with its state and
+    # restored; then an iteration.
+    (Config(optimizer="adafactor", clip_plain=True), (("iteration", 0, 0, False), ("accumulate", 1, 1, False),
+                                                      ("clip", 0, 0, False), ("step", 0, 0, False),
+                                                      ("save_restore", 0, 0, True))),
+    # Gradients accumulated over backward passes into a bounded CPU tier, zero_grad(set_to_none=False) between
+    # steps, and a step pre-hook decaying the learning rate (once per step, whatever the units).
+    (Config(offload="cpu-bounded", zero_grad_to_none=False, step_hooks=True),
+     (("iteration", 0, 0, False), ("accumulate", 0, 1, False), ("accumulate", 0, 2, False))),
+    # A shard() refused for its offload bound first, then training under offload with a step pre-hook.
+    (Config(offload="cpu", step_hooks=True, refused_shard=True), (("iteration", 0, 0, False),
+                                                                  ("iteration", 1, 1, False))),
 )

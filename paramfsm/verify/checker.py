@@ -322,6 +322,7 @@ class Checker:
         flattened reference parameter (the chunk ``torch.chunk`` gives it: a flat DTensor's local tensor, or
         the range a model-shaped value's pieces cover), and buffers are the reference's."""
         want = dict(self.mirror.model.state_dict())
+        noise = checks.noise(self.mirror.params, self.noise_ref.params)  # plain torch's own, as for parameters
         problems = []
         for key, value in state_dict.items():
             if not isinstance(value, (DTensor, ShardPieces)):
@@ -338,7 +339,8 @@ class Checker:
             elif local.shape != chunk.shape:
                 problems.append(f"'{key}': this rank's DTensor chunk has {local.numel()} elements, its Shard(0) "
                                 f"chunk of {flat.numel()} on {self.world} ranks has {chunk.numel()}")
-            elif checks.close(local, chunk, self.atol, self.rtol) is not None:
+            elif checks.close(local, chunk, self.atol + checks.NOISE_FACTOR * noise.get(key, (0.0,))[0],
+                              self.rtol) is not None:
                 problems.append(f"'{key}': this rank's DTensor chunk differs from the reference's slice")
         self._agreed("checkpoint", problems)
 
@@ -385,10 +387,11 @@ class Checker:
         self._settle(Failed("trace", problems, op=at) if problems else None, at)
         rt.close()
         model = self.subject.model
+        noise = checks.noise(self.mirror.params, self.noise_ref.params)  # plain torch's own, as for parameters
         problems = [f"after rt.close(), '{name}' differs from the reference"
                     for name, p in model.named_parameters()
                     if not torch.allclose(p.detach(), self.mirror.params[name].detach(),
-                                          atol=self.atol, rtol=self.rtol)]
+                                          atol=self.atol + checks.NOISE_FACTOR * noise[name][0], rtol=self.rtol)]
         self._settle(Failed("close", problems) if problems else None, None, closed=True)
 
     def _settle(self, failure: Failed | None, op: int | None, closed: bool = False) -> None:

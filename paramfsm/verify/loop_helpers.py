@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import paramfsm
+from paramfsm.errors import ArgumentError
 from paramfsm.offload import Offload
 
 #: The loss scaler of fp16 programs, in paramfsm (``paramfsm.amp.GradScaler``) and in the reference
@@ -138,6 +140,16 @@ def offload_policy(subject, config, world: int):
     folder = tempfile.mkdtemp(prefix="paramfsm-verify-offload-") if config.offload == "disk" else None
     return Offload(params=config.offload if world > 1 else None, optimizer=config.offload, grads=config.offload,
                    path=folder), folder
+
+
+def refused_shard(model, group=None) -> None:
+    """``shard()`` with an offload bound below one unit (``Config.refused_shard``): it must raise
+    ``ArgumentError`` and leave ``model`` as it was, trainable and shardable again (paramfsm #53, item 6)."""
+    try:
+        paramfsm.shard(model, group=group, offload=Offload(optimizer="cpu", grads="cpu", max_resident_bytes=1))
+    except ArgumentError:
+        return
+    raise AssertionError("shard(offload=Offload(max_resident_bytes=1)) did not refuse the bound")
 
 
 class AnotherRun:

@@ -79,6 +79,12 @@ class Config:
     step_hooks: bool = False
     #: ``zero_grad_to_none``: the ``set_to_none`` of every ``ZeroGrad``'s ``opt.zero_grad(...)``.
     zero_grad_to_none: bool = True
+    #: ``clip_plain``: a ``Clip`` is ``torch.nn.utils.clip_grad_norm_(rt.shard_parameters(), ...)``, torch's own
+    #: call over the shards, instead of ``rt.clip_grad_norm_``.
+    clip_plain: bool = False
+    #: ``refused_shard``: the program's ``shard()`` follows one that refused an offload setting (a bound below
+    #: one unit), on the same model (:func:`paramfsm.verify.loop_helpers.refused_shard`).
+    refused_shard: bool = False
 
     @property
     def scaled(self) -> bool:

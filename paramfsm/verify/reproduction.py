@@ -50,7 +50,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
     ``offload``: the subject sets ``Subject(offload=...)``; the script shards with it (as it does with the
     configuration's ``offload``).
     """
-    script = _Script(frozenset(op.source for op in program.ops if isinstance(op, SubForward)), bool(parts))
+    script = _Script(frozenset(op.source for op in program.ops if isinstance(op, SubForward)), bool(parts),
+                     program.config.clip_plain)
     loops = sorted(({"record_inputs"} if script.sources else set())
                    | {"detached" for op in program.ops if isinstance(op, SubForward) and op.detach}
                    | {"in_place_on_view" for op in program.ops if isinstance(op, SubForward) and op.view}
@@ -65,7 +66,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
                      | {"force_overflow" for op in program.ops if isinstance(op, Overflow)}
                      | {"reentrant_blocks" for op in program.ops if getattr(op, "mode", "") == "reentrant"}
                      | {"forget_recoveries" for op in program.ops if isinstance(op, Interrupted)}
-                     | ({"another_run", "offload_policy"} if tiered else set()))
+                     | ({"another_run", "offload_policy"} if tiered else set())
+                     | ({"refused_shard"} if program.config.refused_shard else set()))
     scaled = program.config.scaled
     quoted = message.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
     ranks = str(world) if world else "WORLD"
@@ -174,7 +176,9 @@ def _shard_lines(program: Program, meta: bool = False, offload: bool = False) ->
     kept = c.reshard_after_forward
     reshard = ("" if kept is True else f", reshard_after_forward={kept}" if kept is False else
                f",\n                        reshard_after_forward=lambda name, module: name not in {kept!r}")
-    return [f"    rt = paramfsm.shard(model, {_UNIT_LINES[c.units]}, retain={c.retain!r},",
+    refused = (["    refused_shard(model)  # a shard() that refused an offload setting first, on this model"]
+               if c.refused_shard else [])
+    return [*refused, f"    rt = paramfsm.shard(model, {_UNIT_LINES[c.units]}, retain={c.retain!r},",
             f"                        prefetch={c.prefetch}, bucket_bytes={c.bucket_bytes},",
             f"                        max_deferred_bytes={c.max_deferred_bytes}, trace=True{dtype}{device}{reshard}"
             f"{tier})"]
@@ -194,6 +198,7 @@ class _Script:
 
     sources: frozenset
     parts: bool
+    clip_plain: bool = False  # Config.clip_plain: a Clip is torch's own call over the shards
 
     def each(self, line: str) -> str:
         """``line`` (about ``opt``) for the one optimizer, or in a loop over every part's."""
@@ -273,8 +278,9 @@ def _render_training_op(op, seen: set[int], script: _Script) -> list[str]:
     if isinstance(op, Overflow):
         return [f"force_overflow(rt, {op.param!r}, {op.index})  # an inf in one gradient element, on its owner rank"]
     if isinstance(op, Clip):
-        return [f"total = rt.clip_grad_norm_({op.max_norm!r}, norm_type={op.norm_type!r})",
-                "check.clipped(total)  # the total norm is plain torch's"]
+        clip = (f"torch.nn.utils.clip_grad_norm_(rt.shard_parameters(), {op.max_norm!r}, {op.norm_type!r})"
+                if script.clip_plain else f"rt.clip_grad_norm_({op.max_norm!r}, norm_type={op.norm_type!r})")
+        return [f"total = {clip}", "check.clipped(total)  # the total norm is plain torch's"]
     if isinstance(op, FullState):
         load = "perturbed(sd)" if op.perturb else "sd"
         return ["sd = rt.full_state_dict()", "check.full_state(sd)  # the reference's state dict",

@@ -75,7 +75,7 @@ from paramfsm.verify.ops import (
 )
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
-    SCALER, another_run, compute_dtype, force_overflow, load_plain_dcp, offload_policy, perturbed, reentrant_blocks,
+    SCALER, another_run, compute_dtype, refused_shard, force_overflow, load_plain_dcp, offload_policy, perturbed, reentrant_blocks,
     forget_recoveries, quiet_recoveries, reshard_policy, unit_arguments,
 )
 
@@ -120,6 +120,8 @@ class Run:
         c = program.config
         self.model = subject.model
         self.offload, self.folder = offload_policy(subject, c, world)
+        if c.refused_shard:
+            refused_shard(self.model, group)
         dtype = compute_dtype(c)
         self.upcast = dtype is not None
         self.rt = paramfsm.shard(self.model, group=group, **unit_arguments(subject, c), retain=c.retain,
@@ -228,7 +230,8 @@ class Run:
         elif isinstance(op, Overflow):
             force_overflow(rt, op.param, op.index)
         elif isinstance(op, Clip):
-            self.check.clipped(rt.clip_grad_norm_(op.max_norm, op.norm_type))
+            self.check.clipped(torch.nn.utils.clip_grad_norm_(rt.shard_parameters(), op.max_norm, op.norm_type)
+                               if self.program.config.clip_plain else rt.clip_grad_norm_(op.max_norm, op.norm_type))
         elif isinstance(op, FullState):
             state_dict = rt.full_state_dict()
             self.check.full_state(state_dict)

@@ -161,6 +161,7 @@ class Gathers:
         with coalesced(named):
             work = all_gather_flat(recv, send, self.group, async_op=True)
         self.timed_wait("agreement at the end of a backward", ())(work)
+        self.counters.gathered_bytes += recv.numel() * recv.element_size()
         rankcheck.check_encoded(recv.view(self.world, -1)[:, 1:], self.rank, self.unit_names)
 
     def agree_first(self, what: str, fields: tuple[int, ...], tensor, records) -> tuple[int, ...] | None:

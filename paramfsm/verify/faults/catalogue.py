@@ -48,6 +48,7 @@ from paramfsm.verify.faults.regressions import REGRESSIONS
 from paramfsm.verify.faults.routing import ROUTING
 from paramfsm.verify.faults.offload import OFFLOAD
 from paramfsm.verify.faults.shard_writes import SHARD_WRITES
+from paramfsm.verify.faults.steps import STEPS
 from paramfsm.verify.faults.training import (
     checkpoint_offset_unpadded, clip_without_clamp, found_inf_not_agreed, scale_not_backpropagated,
     unscaled_once_per_backward,
@@ -340,6 +341,7 @@ CATALOGUE: tuple[Fault, ...] = (
     *(Fault(*entry) for entry in REGRESSIONS),  # reentrant checkpointing inside a unit
     *(Fault(*entry) for entry in OFFLOAD),  # offload: page-in, write-back, a tier copy older than the step
     *(Fault(*entry) for entry in DEFAULT_UNITS),  # merged units, units kept for their backward
+    *(Fault(*entry) for entry in STEPS),  # offloaded and whole-parameter steps, clipping, refused shard()
 )
 
 FAULTS: dict[str, Fault] = {fault.name: fault for fault in CATALOGUE}

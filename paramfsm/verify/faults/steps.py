@@ -1,0 +1,87 @@
+"""Catalogued bugs around the optimizer step: offloaded steps, whole-parameter optimizers, clipping, refusals.
+
+Each function returns a context manager that patches paramfsm for the duration of the block (see
+:mod:`paramfsm.verify.faults.catalogue`). Each one is a silent result ``paramfsm #53`` found in loops from
+FSDP2's and DeepSpeed's own tests: a gradient zeroed in place in a bounded resident set read back from its
+tier, an offloaded step running the optimizer's hooks once per unit, a shape-dependent optimizer stepped on
+flat shards, torch's own clipping over shards clipping each rank by its partial norm, and a refused ``shard()``
+leaving the model's parameters empty. ``paramfsm verify`` kills them through the canonical programs of #53
+(``Config(optimizer="adafactor", clip_plain=True)``, ``Config(offload="cpu-bounded", zero_grad_to_none=False,
+step_hooks=True)`` and ``Config(offload="cpu", step_hooks=True, refused_shard=True)``).
+"""
+
+from __future__ import annotations
+
+from paramfsm import assembly, grad_norm, offload_step, optim
+from paramfsm.engine.schedule import residency
+from paramfsm.verify.faults.patching import patched
+
+
+def resident_write_dropped():
+    """A resident offloaded value changed in place outside the schedule is paged out as clean: after
+    ``zero_grad(set_to_none=False)`` the next backward adds into the tier's copy of the last step's gradient."""
+    return patched(residency, "_LEAVING", lambda original: frozenset())
+
+
+def hooks_per_unit():
+    """An offloaded step steps each unit through the optimizer's public ``step()``: its own hooks run once per
+    unit (a learning rate decayed in a pre-hook decays once per unit)."""
+    def make(original):
+        def _step_only(optimizer, saved, ids):
+            for group, params in zip(optimizer.param_groups, saved):
+                group["params"] = [p for p in params if id(p) in ids]
+            offload_step._inner[0] = True
+            try:
+                optimizer.step()
+            finally:
+                offload_step._inner[0] = False
+        return _step_only
+    return patched(offload_step, "_step_only", make)
+
+
+def whole_params_as_shards():
+    """Every optimizer is taken for element-wise: Adafactor steps each rank's flat shard, with an unfactored
+    second moment."""
+    return patched(optim, "is_elementwise", lambda original: lambda optimizer: True)
+
+
+def plain_clip_partial():
+    """torch's own ``clip_grad_norm_`` over shard gradients computes each rank's partial norm: every rank clips
+    by another coefficient."""
+    return patched(grad_norm, "_owners", lambda original: lambda: {})  # no tensor is seen as a shard gradient
+
+
+def refused_shard_not_rolled_back():
+    """A ``shard()`` that refuses an offload setting leaves the parameters cut: the model raises NotGathered
+    everywhere and cannot be sharded again."""
+    return patched(assembly, "give_back", lambda original: lambda rt, records, born_meta: rt.trace.close())
+
+
+#: The entries, as the fields of :class:`~paramfsm.verify.faults.catalogue.Fault` (name, bug, source, kind,
+#: inject).
+STEPS = (
+    ("resident_write_dropped",
+     "a gradient zeroed in place by zero_grad(set_to_none=False) while resident in a bounded tier is paged out "
+     "as clean, so the next backward adds into the last step's gradient",
+     "paramfsm #53, item 4 (Offload(grads=..., max_resident_bytes=...) with accumulation: 0.43 off plain torch)",
+     "correctness", resident_write_dropped),
+    ("hooks_per_unit",
+     "an offloaded optimizer step runs the optimizer's own step hooks once per unit",
+     "paramfsm #53, item 3 (Offload(optimizer='cpu'): a post-hook counting parameters saw [2, 2, 0] where plain "
+     "torch sees [4]; DeepSpeed's offloaded optimizer steps its groups apart too)",
+     "correctness", hooks_per_unit),
+    ("whole_params_as_shards",
+     "a shape-dependent optimizer (Adafactor) steps each rank's flat 1-D shard",
+     "paramfsm #53, item 2 (one Adafactor step on a sharded Linear(7, 15) 0.035 off plain torch; FSDP2 and "
+     "DeepSpeed had to add whole-parameter stepping for Muon)",
+     "correctness", whole_params_as_shards),
+    ("plain_clip_partial",
+     "torch.nn.utils.clip_grad_norm_ over the shards clips each rank by its own partial norm",
+     "paramfsm #53, item 5 (5.87 and 5.39 against a true norm of 7.97; Lightning routes around the same trap)",
+     "correctness", plain_clip_partial),
+    ("refused_shard_not_rolled_back",
+     "a shard() refusing an offload setting leaves the model's parameters empty, unusable and unshardable",
+     "paramfsm #53, item 6 (an unwritable folder or a bound below one unit: model(x), state_dict() and a second "
+     "shard() raised NotGathered)",
+     "correctness", refused_shard_not_rolled_back),
+)
