@@ -78,21 +78,19 @@ def mixed_job(rank, world, rank_check, steps=3):
 def test_in_place_and_packed_gathers_match_plain_torch(ranks2, rank_check):
     """Three training steps match plain torch (checked in the job). At world 2 the two square weights
     go in place; every unit is still one logical gather, and the collectives issued are those
-    gathers plus one per in-place weight, less the units with nothing left to pack (b, untagged), plus the
-    agreement at the end of each checked backward (one per step)."""
+    gathers plus one per in-place weight, less the units with nothing left to pack (b, untagged)."""
     for logical, issued, in_place, checks in ranks2.run(mixed_job, rank_check):
         assert in_place == 2 and checks == 6
         packed_b = 1 if rank_check == "tag" else 0  # b's packed part is only its tag
         per_pass = 2 + 1 + packed_b + 1 + 1  # a: weight + rest, b, c, d
-        agreements = 3 if rank_check is not None else 0
-        assert logical % 4 == 0 and issued == logical // 4 * per_pass + agreements, (logical, issued, rank_check)
+        assert logical % 4 == 0 and issued == logical // 4 * per_pass, (logical, issued, rank_check)
 
 
 def test_ragged_sizes_stay_packed(ranks3):
     """At world 3 no weight divides (128 x 128 = 16384 is not a multiple of 3): everything is packed,
     and training still matches plain torch."""
     for logical, issued, in_place, checks in ranks3.run(mixed_job, "tag"):
-        assert in_place == 0 and issued == logical + 3 and checks == 6  # and an agreement per backward
+        assert in_place == 0 and issued == logical and checks == 6
 
 
 class Twins(nn.Module):

@@ -11,17 +11,17 @@ import re
 
 import pytest
 
-from paramfsm import amp, checkpoint, full_state, gathered, grad_norm, optim
+from paramfsm import amp, assembly, checkpoint, full_state, gathered, grad_norm, offload_step, optim
 from paramfsm.checkpoint import layout as checkpoint_layout
 from paramfsm.core import replay
 from paramfsm.core.trace import Trace
-from paramfsm.engine.effects import executor
+from paramfsm.engine.effects import executor, lost_writes
 from paramfsm.engine.effects.executor import Executor
 from paramfsm.engine.effects.grad_sync import UnsyncedGrads
 from paramfsm.engine.effects.paging import Pager
 from paramfsm.engine.events import events, graph_task, hooks, members
 from paramfsm.engine.events.higher_order import SecondOrderEntry
-from paramfsm.engine.schedule import holds
+from paramfsm.engine.schedule import holds, residency
 from paramfsm.engine.schedule.backward import GraphTasks
 from paramfsm.engine.schedule.deferral import Deferral
 from paramfsm.engine.schedule.grad_paging import GradPaging
@@ -63,7 +63,9 @@ def _patchable():
             checkpoint_layout.valid_range, vars(SecondOrderEntry)["backward"], full_state.load_full_state_dict,
             replay.replay, Trace._snapshot, dict(vars(UnsyncedGrads)), dict(vars(ShardWrites)),
             gathered._write_back, _methods(Residency), _methods(Pager), optim._after_closure,
-            _methods(GradPaging), dict(vars(DiskTier)), checkpoint.sharded_state_dict, members.install, holds.watch)
+            _methods(GradPaging), dict(vars(DiskTier)), checkpoint.sharded_state_dict, members.install, holds.watch,
+            residency._LEAVING, offload_step._step_only, optim.is_elementwise, grad_norm._owners, assembly.give_back,
+            lost_writes.checked)
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))

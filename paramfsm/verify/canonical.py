@@ -125,6 +125,8 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
     # steps, and a step pre-hook decaying the learning rate (once per step, whatever the units).
     (Config(offload="cpu-bounded", zero_grad_to_none=False, step_hooks=True),
      (("iteration", 0, 0, False), ("accumulate", 0, 1, False), ("accumulate", 0, 2, False))),
+    # A write to a weight inside forward (a layer clamping its own weight): refused on every rank.
+    (Config(), (("iteration", 0, 0, False), ("write_in_forward", 0, 1, False))),
     # A shard() refused for its offload bound first, then training under offload with a step pre-hook.
     (Config(offload="cpu", step_hooks=True, refused_shard=True), (("iteration", 0, 0, False),
                                                                   ("iteration", 1, 1, False))),

@@ -133,7 +133,7 @@ class Checker:
         if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):  # not a finding; DCP's
             return False  # CheckpointException derives from BaseException and is one
         failure = None
-        desync = rank_loss.accepted(exc, self.rank_loss)
+        desync = rank_loss.accepted(exc, self.rank_loss, self._op)
         if isinstance(exc, Failed):
             failure = exc
         elif exc is not None and not desync:
@@ -168,7 +168,7 @@ class Checker:
             self.rt.reset()  # every rank issued the collectives still in flight
             rank_loss.forget_dumps(exc)
             self._stop()
-            raise rank_loss.Desynced(str(exc), self.index) from None
+            raise rank_loss.Desynced(str(exc), self.index, type(exc).__name__ == "WriteToGathered") from None
         return failure or Failed("desync", problems)
 
     def _stop(self) -> None:

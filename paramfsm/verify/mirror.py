@@ -58,6 +58,7 @@ references on top of the fixed tolerances (:data:`paramfsm.verify.checks.NOISE_F
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -65,7 +66,7 @@ from torch.utils._pytree import tree_map
 
 from paramfsm.verify import user_loops
 from paramfsm.verify.ops import (
-    PENALTY_WEIGHT, TREE_VARIANTS, Backward, Clip, ClosureStep, Config, Drop, Evaluate, Forward, FullState, Gathered,
+    PENALTY_WEIGHT, TREE_VARIANTS, WRITE_MODE, Backward, Clip, ClosureStep, Config, Drop, Evaluate, Forward, FullState, Gathered,
     GatheredWrite, Interrupted, Loss, Overflow, PartStep, PartZeroGrad, Penalty, RankLoss, RequiresGrad, Restore, Save, Step,
     SubForward, Unscale, ZeroGrad,
 )
@@ -159,6 +160,7 @@ class Mirror:
                     with user_loops.record_inputs(model) as saved:
                         outs.append(model(x))
                     acts.append(saved)
+
                 elif mode == INFERENCE:
                     with torch.inference_mode():
                         outs.append(model(x))
@@ -227,10 +229,12 @@ class Mirror:
 
     def apply(self, op, slices) -> None:
         if isinstance(op, Forward):
-            copies, outs = self._forward(op.mode, slices[op.batch][0])
+            with user_loops.write_in_forward(self.model) if op.mode == WRITE_MODE else contextlib.nullcontext():
+                # the global batch's forward: the write happens once, before the first slice
+                copies, outs = self._forward("train" if op.mode == WRITE_MODE else op.mode, slices[op.batch][0])
             if op.out >= 0:
                 self.outs[op.out], self.copies[op.out] = outs, copies
-                if op.mode == "train":
+                if op.mode in ("train", WRITE_MODE):
                     self.acts[op.out] = self.recorded
         elif isinstance(op, Gathered) and op.batch is not None:
             self._forward("no_grad", slices[op.batch][0])

@@ -14,7 +14,13 @@ import attrs
 
 MODES = ("train", "no_grad", "eval", "checkpoint", "eval_no_grad", "reentrant")
 AUTO_MODES = ("train", "checkpoint", "eval")  # forwards the normaliser adds before a loss
-GRAD_MODES = frozenset({"train", "eval", "checkpoint", "reentrant"})
+GRAD_MODES = frozenset({"train", "eval", "checkpoint", "reentrant", "write"})
+#: A train forward during which the module owning the model's first parameter halves it in place inside its own
+#: forward (:func:`paramfsm.verify.user_loops.write_in_forward`; a layer clamping its weight, a momentum encoder
+#: updated in forward). Plain torch keeps the write; paramfsm refuses it: every rank raises ``WriteToGathered``
+#: naming the parameter and ``rt.gathered(writeback=True)``, the accepted outcome, which stops the program.
+#: Drawn by the ``write_in_forward`` intent, not among :data:`MODES`.
+WRITE_MODE = "write"
 LOSS_VARIANTS = 3  # 0: the subject's loss_fn, 1: mean square of the output, 2: mean tanh of the output
 #: Loss variants of a submodule's output (:class:`SubForward`), whatever container holds its tensors: 3, the
 #: sum of the mean squares of its floating-point tensors; 4, the sum of their mean tanh.

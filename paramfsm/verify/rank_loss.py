@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from paramfsm.errors import RankDesync
+from paramfsm.verify.ops import WRITE_MODE
 
 #: What a RankDesync's "What to do:" must offer: a unit that encloses the branch (``units=[Net]``), or step
 #: numbers that tell a skipped step from a taken one (``rt.set_step(step)``).
@@ -42,22 +43,38 @@ _DUMP = re.compile(r"last transitions are in (\S+\.jsonl)")
 
 class Desynced(Exception):
     """Every rank raised ``RankDesync`` at op ``op``, after a RankLoss, naming a unit and the fix: the
-    accepted outcome of a loss that reads another output per rank. The program stops there."""
+    accepted outcome of a loss that reads another output per rank (or ``WriteToGathered`` at a write inside
+    forward: the accepted refusal). The program stops there."""
 
-    def __init__(self, message: str, op: int):
+    def __init__(self, message: str, op: int, refused_write: bool = False):
         self.message, self.op = message, op
-        super().__init__(f"every rank raised RankDesync at op {op} (accepted: the ranks' backward passes reached "
-                         f"different units): {message}")
+        why = ("WriteToGathered at op {op} (accepted: paramfsm refuses a write to a gathered parameter inside "
+               "forward)" if refused_write else "RankDesync at op {op} (accepted: the ranks' backward passes "
+               "reached different units)").format(op=op)
+        super().__init__(f"every rank raised {why}: {message}")
 
 
-def accepted(exc: BaseException | None, after_rank_loss: bool) -> bool:
-    """Whether ``exc``, raised inside an op, is a ``RankDesync`` that a RankLoss earlier in the program allows."""
+def accepted(exc: BaseException | None, after_rank_loss: bool, op=None) -> bool:
+    """Whether ``exc``, raised inside an op, is a ``RankDesync`` that a RankLoss earlier in the program allows,
+    or the ``WriteToGathered`` that refuses a write inside forward (a Forward in :data:`WRITE_MODE`: the same
+    judgement, every rank raising it naming the parameter and the fix)."""
+    if _refused_write(exc):
+        return getattr(op, "mode", None) == WRITE_MODE
     return after_rank_loss and isinstance(exc, RankDesync)
 
 
-def problems(exc: RankDesync) -> list[str]:
-    """What is missing from a ``RankDesync``'s message: the unit it names, the fix it offers."""
+def _refused_write(exc) -> bool:
+    """A ``WriteToGathered`` (known by name: verify also runs against engines that predate it)."""
+    return type(exc).__name__ == "WriteToGathered"
+
+
+def problems(exc) -> list[str]:
+    """What is missing from a ``RankDesync``'s message: the unit it names, the fix it offers (for a
+    ``WriteToGathered``: the parameter and ``rt.gathered(writeback=True)``)."""
     message = str(exc)
+    if _refused_write(exc):
+        ok = f"'{exc.param}'" in message and "rt.gathered(" in message.partition("What to do:")[2]
+        return [] if ok else [f"WriteToGathered names no parameter or no fix: {message}"]
     found = []
     if not exc.unit or f"unit '{exc.unit}'" not in message:
         found.append(f"RankDesync names no unit (unit={exc.unit!r}): {message}")

@@ -27,7 +27,7 @@ import attrs
 
 from paramfsm.engine.storage.default_units import MIN_UNIT_BYTES
 from paramfsm.verify.ops import (
-    BY_SIZE_BYTES, PENALTY_WEIGHT, TREE_VARIANTS, Backward, Checkpoint, Clip, ClosureStep, Drop, Evaluate, Flush, Forward,
+    BY_SIZE_BYTES, PENALTY_WEIGHT, TREE_VARIANTS, WRITE_MODE, Backward, Checkpoint, Clip, ClosureStep, Drop, Evaluate, Flush, Forward,
     FullState, Gathered, GatheredWrite, GradSync, Interrupted, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program,
     RankLoss, RequiresGrad, Restore, Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
@@ -58,6 +58,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
                    | {"tree_loss" for op in program.ops if isinstance(op, Loss) and op.variant in TREE_VARIANTS
                       or isinstance(op, RankLoss)}
                    | {"interrupt" for op in program.ops if isinstance(op, Interrupted)}
+                   | {"write_in_forward" for op in program.ops if getattr(op, "mode", "") == WRITE_MODE}
                    | {"optimizers"})
     inner = [i for op in program.ops if isinstance(op, ClosureStep) for i in op.inner]
     used = sorted({type(op).__name__ for op in (*program.ops, *inner)} | {"Config"})
@@ -209,6 +210,9 @@ def _render_op(op, seen: set[int], config, script: _Script) -> list[str]:
     if isinstance(op, Forward):
         call = f"model(x{op.batch})"
         pre = _batch_line(op.batch, seen)
+        if op.mode == WRITE_MODE:  # paramfsm raises WriteToGathered on every rank: accepted, the program stops
+            return pre + ["with write_in_forward(model):  # its first parameter's module halves it in its forward",
+                          f"    out{op.out} = {call}"]
         if op.mode == "train" and op.out in script.sources:
             return pre + [f"with record_inputs(model) as acts{op.out}:  # each module's inputs, for SubForward ops",
                           f"    out{op.out} = {call}"]

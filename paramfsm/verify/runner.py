@@ -69,6 +69,7 @@ from paramfsm.verify.mirror import loss_of, penalised
 from paramfsm.verify import user_loops
 from paramfsm.verify.rank_loss import Desynced
 from paramfsm.verify.ops import (
+    WRITE_MODE,
     Backward, Checkpoint, Clip, ClosureStep, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite,
     GradSync, Interrupted, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore,
     Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
@@ -158,6 +159,10 @@ class Run:
             elif op.mode == "reentrant":
                 with reentrant_blocks(self.model, self.check.blocks):
                     self.outs[op.out] = self.model(x)
+            elif op.mode == WRITE_MODE:  # paramfsm refuses the write: WriteToGathered (accepted by the checker)
+                with user_loops.write_in_forward(self.model), user_loops.record_inputs(self.model) as acts:
+                    self.outs[op.out] = self.model(x)
+                self.acts[op.out] = acts
             elif op.out in self.sources:
                 with user_loops.record_inputs(self.model) as self.acts[op.out]:
                     self.outs[op.out] = self.model(x)

@@ -40,7 +40,7 @@ import torch
 
 from paramfsm.verify import user_loops
 from paramfsm.verify.ops import (
-    AUTO_MODES, BATCHES, TREE_VARIANTS, ClosureStep, Evaluate, GatheredWrite, NoSync, PartStep, PartZeroGrad, RankLoss,
+    AUTO_MODES, BATCHES, TREE_VARIANTS, WRITE_MODE, ClosureStep, Evaluate, GatheredWrite, NoSync, PartStep, PartZeroGrad, RankLoss,
     Restore, Save, SubForward,
 )
 
@@ -48,7 +48,8 @@ from paramfsm.verify.ops import (
 USER_LOOP_KINDS = ("sub_forward", "part", "gan", "gathered_write", "evaluate", "save_restore", "sub_forward",
                    "gathered_write", "gathered_write",  # writes are drawn in fp32 programs only
                    "rank_loss", "closure_step", "closure_step",
-                   "save_restore")  # a restore needs a save and a step before it: drawn twice
+                   "save_restore",  # a restore needs a save and a step before it: drawn twice
+                   "write_in_forward")
 
 
 def learn(subject, inputs, modules: tuple[str, ...]) -> dict:
@@ -193,6 +194,9 @@ class UserLoopIntents:
             self.gathered_write(a, b, flag)
         elif kind == "evaluate":
             self.ops.append(Evaluate(tuple((b + i) % BATCHES for i in range(1 + a % 2)), flag))
+        elif kind == "write_in_forward" and self.config.param_dtype is None \
+                and self.config.reshard_after_forward is True:  # refused at the release after the forward
+            self.forward(b % BATCHES, WRITE_MODE)
         elif kind == "save_restore":
             self.save_restore(bool(a % 2), flag, a, b)
         elif kind == "rank_loss":

@@ -186,6 +186,27 @@ def interrupt(model: nn.Module, module: str, inputs) -> None:
 HOOK_DECAY = 0.9
 
 
+@contextlib.contextmanager
+def write_in_forward(model: nn.Module):
+    """Within the block, the next forward of the module owning ``model``'s first parameter halves that parameter
+    in place, under ``no_grad``, before computing (once: see :data:`paramfsm.verify.ops.WRITE_MODE`)."""
+    name, param = next(iter(model.named_parameters()))
+    owner = model.get_submodule(name.rpartition(".")[0])
+    fired = []
+
+    def halve(module, args):
+        if not fired:
+            fired.append(True)
+            with torch.no_grad():
+                param.mul_(0.5)
+
+    handle = owner.register_forward_pre_hook(halve)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def make_optimizer(subject, config):
     """The optimizer factory of a program: the subject's, or Adafactor (``Config.optimizer``)."""
     if config.optimizer == "adafactor":

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from paramfsm.engine.effects import kernels, rankcheck
+from paramfsm.engine.effects import collectives, kernels, rankcheck
 from paramfsm.engine.effects.collectives import all_gather_flat, coalesced, size_agreement
 from paramfsm.engine.effects.inflight import Gather
 from paramfsm.engine.effects.streams import GATHER
@@ -158,10 +158,9 @@ class Gathers:
                                    self.timed_wait("rank-check header", ()))
         send = torch.cat([flat, rankcheck.encode(fields, flat.dtype, device)])
         recv = torch.empty(self.world * send.numel(), dtype=send.dtype, device=device)
-        with coalesced(named):
-            work = all_gather_flat(recv, send, self.group, async_op=True)
+        with coalesced(named):  # a rank check, like a header: not a gather of parameters, so not counted
+            work = collectives.all_gather_flat(recv, send, self.group, async_op=True)
         self.timed_wait("agreement at the end of a backward", ())(work)
-        self.counters.gathered_bytes += recv.numel() * recv.element_size()
         rankcheck.check_encoded(recv.view(self.world, -1)[:, 1:], self.rank, self.unit_names)
 
     def agree_first(self, what: str, fields: tuple[int, ...], tensor, records) -> tuple[int, ...] | None:

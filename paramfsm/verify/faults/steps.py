@@ -5,7 +5,8 @@ Each function returns a context manager that patches paramfsm for the duration o
 FSDP2's and DeepSpeed's own tests: a gradient zeroed in place in a bounded resident set read back from its
 tier, an offloaded step running the optimizer's hooks once per unit, a shape-dependent optimizer stepped on
 flat shards, torch's own clipping over shards clipping each rank by its partial norm, and a refused ``shard()``
-leaving the model's parameters empty. ``paramfsm verify`` kills them through the canonical programs of #53
+leaving the model's parameters empty, and a write inside forward dropped at the release. ``paramfsm verify``
+kills them through the canonical programs of #53
 (``Config(optimizer="adafactor", clip_plain=True)``, ``Config(offload="cpu-bounded", zero_grad_to_none=False,
 step_hooks=True)`` and ``Config(offload="cpu", step_hooks=True, refused_shard=True)``).
 """
@@ -13,8 +14,15 @@ step_hooks=True)`` and ``Config(offload="cpu", step_hooks=True, refused_shard=Tr
 from __future__ import annotations
 
 from paramfsm import assembly, grad_norm, offload_step, optim
+from paramfsm.engine.effects import lost_writes
 from paramfsm.engine.schedule import residency
 from paramfsm.verify.faults.patching import patched
+
+
+def write_in_forward_dropped():
+    """A gathered parameter written in place inside forward is released unchecked: the write reaches only the
+    full copy and is dropped (a layer clamping its weight trains on the unclamped one)."""
+    return patched(lost_writes, "checked", lambda original: lambda free, recovering, rank: free)
 
 
 def resident_write_dropped():
@@ -60,6 +68,11 @@ def refused_shard_not_rolled_back():
 #: The entries, as the fields of :class:`~paramfsm.verify.faults.catalogue.Fault` (name, bug, source, kind,
 #: inject).
 STEPS = (
+    ("write_in_forward_dropped",
+     "an in-place write to a gathered parameter inside forward reaches only the full copy, which is released",
+     "paramfsm #53, item 1 (a layer clamping its weight in forward, a MoCo momentum encoder: rt.full_param "
+     "still 0.377 where plain torch keeps 0.1; DeepSpeed ZeRO-3 drops such writes the same way)",
+     "correctness", write_in_forward_dropped),
     ("resident_write_dropped",
      "a gradient zeroed in place by zero_grad(set_to_none=False) while resident in a bounded tier is paged out "
      "as clean, so the next backward adds into the last step's gradient",
