@@ -40,7 +40,7 @@ from paramfsm.verify.ops import (  # noqa: F401 - the vocabulary, re-exported fo
     Save, Shape, Step, SubForward, SyncGradients, UNIT_CHOICES, Unscale, ZeroGrad,
 )
 from paramfsm.verify.canonical import CANONICAL  # noqa: F401 - re-exported: the patterns canonical() normalises
-from paramfsm.verify.user_loop_intents import USER_LOOP_KINDS, UserLoopIntents
+from paramfsm.verify.user_loop_intents import CANONICAL_KINDS, USER_LOOP_KINDS, UserLoopIntents
 
 
 # ------------------------------------------------------------------ normaliser
@@ -183,7 +183,7 @@ class _Normaliser(AccumulationIntents, UserLoopIntents):
             self.ops.append(Gathered(names[a % len(names)], b % BATCHES if flag else None))
         elif kind in ACCUMULATION_KINDS:
             self.accumulation_op(kind, a, b, flag)
-        elif kind in USER_LOOP_KINDS:
+        elif kind in USER_LOOP_KINDS or kind in CANONICAL_KINDS:
             self.user_loop_op(kind, a, b, flag)
         else:
             self.training_op(kind, a, b, flag)

@@ -48,8 +48,10 @@ from paramfsm.verify.ops import (
 USER_LOOP_KINDS = ("sub_forward", "part", "gan", "gathered_write", "evaluate", "save_restore", "sub_forward",
                    "gathered_write", "gathered_write",  # writes are drawn in fp32 programs only
                    "rank_loss", "closure_step", "closure_step",
-                   "save_restore",  # a restore needs a save and a step before it: drawn twice
-                   "write_in_forward")
+                   "save_restore")  # a restore needs a save and a step before it: drawn twice
+#: Intent kinds the canonical programs use that are not drawn: a write inside forward stops the program (the
+#: accepted refusal), so drawn among the others it would cut most programs short.
+CANONICAL_KINDS = ("write_in_forward",)
 
 
 def learn(subject, inputs, modules: tuple[str, ...]) -> dict:
