@@ -11,9 +11,10 @@ model's own parameters in its groups (a shard given to it is swapped back for it
 
 1. the unit's parameters that have a gradient are all-gathered at full precision (the shards' dtype, not
    ``param_dtype``), and so are their gradients (the reduce-scattered shard gradients);
-2. each parameter's ``.data`` is its full value and its ``.grad`` the full gradient while the optimizer's
-   own step runs over that unit's parameters alone;
-3. each rank copies its slice of the updated value back into its shard, and the parameter is emptied again.
+2. a full-precision stand-in for each holds its full value and, as ``.grad``, its full gradient, with the
+   parameter's optimizer state, while the optimizer's own step runs over that unit's stand-ins alone
+   ([Note: a stand-in for the parameter]);
+3. each rank copies its slice of the updated value into its shard, and the state goes back to the parameter.
 
 Every rank runs the same update on the same values, so the slices agree, and the result is the optimizer's
 own on the full parameters, as in plain torch. Its state is the state of full parameters (Muon's momentum,
@@ -26,22 +27,16 @@ A closure (LBFGS evaluates it between updates) and an offloaded model are refuse
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from paramfsm import full_state
-from paramfsm.core.spec import State
-from paramfsm.engine.storage import placeholder
-from paramfsm.engine.storage.partitioned import set_real_grad
-from paramfsm.errors import ParamFSMError
 
 
 def step_runtime(optimizer, rt, records, saved, stepped: set, step_only) -> None:
     """Step ``optimizer`` over ``records`` of ``rt`` on whole parameters, unit by unit (see the Note).
 
-    ``saved``: the param groups' parameters; ``step_only(optimizer, saved, ids)`` steps those in ``ids``
-    alone; ``stepped`` collects the ids of the parameters stepped here."""
+    ``saved``: the param groups' parameters; ``step_only(optimizer, groups, ids)`` steps the tensors of
+    ``groups`` in ``ids`` alone; ``stepped`` collects the ids of the parameters stepped here."""
     wanted = set(records)
     seen: set = set()
     for unit in rt.units:
@@ -49,45 +44,47 @@ def step_runtime(optimizer, rt, records, saved, stepped: set, step_only) -> None
         if not recs:
             continue
         seen.update(recs)
-        with _whole(rt, recs):
-            step_only(optimizer, saved, {id(rec.param) for rec in recs})
+        _step_unit(optimizer, rt, recs, saved, step_only)
         stepped.update(id(rec.param) for rec in recs)
 
 
-@contextlib.contextmanager
-def _whole(rt, recs):
-    """Each parameter of ``recs`` whole, with its full gradient, for the block; then its slice written back
-    into its shard (unless the block raised) and the parameter emptied again."""
-    for rec in recs:
-        if rec.state is not State.NOT_AVAILABLE:
-            raise ParamFSMError(
-                f"parameter '{rec.name}' (module '{rec.name.rpartition('.')[0] or '<root>'}', unit "
-                f"'{rec.unit}', state {rec.state.name}, event 'optimizer step', rank {rt.rank}) is gathered "
-                "while a whole-parameter optimizer steps it. What to do: step the optimizer after the "
-                "backward, outside rt.gathered() and with no retained graph holding the parameter.")
+def _step_unit(optimizer, rt, recs, saved, step_only) -> None:
+    """One unit's parameters stepped whole: each through a full-precision stand-in holding its state.
+
+    [Note: a stand-in for the parameter]
+    The parameter itself is not made whole: its ``.data`` has the compute dtype (``param_dtype``) and its
+    autograd node was made for it, and giving it a tensor of another dtype makes autograd drop that node (the
+    hooks paramfsm put on it with it), so the next backward reduced a gradient twice. So each parameter is
+    stood in for by a new full-precision tensor with its full gradient, and its optimizer state moves to the
+    stand-in for the step and back after it: the state stays keyed by the parameter (checkpoints, ``state_dict``).
+    """
+    state = optimizer.state
     with torch.no_grad():
-        fulls = [(full_state.gather(rt, rec, rec.shard),
-                  full_state.gather(rt, rec, rec.shard.grad, full_state.GRADIENT)) for rec in recs]
-        for rec, (value, grad) in zip(recs, fulls):
-            placeholder.reveal(rec.param)
-            rec.param.data = value
-            set_real_grad(rec.param, grad)
-    done = False
+        proxies = {}
+        for rec in recs:
+            proxy = torch.nn.Parameter(full_state.gather(rt, rec, rec.shard), requires_grad=rec.requires_grad)
+            proxy.grad = full_state.gather(rt, rec, rec.shard.grad, full_state.GRADIENT)
+            proxies[id(rec.param)] = proxy
+    groups = [[proxies.get(id(p), p) for p in params] for params in saved]
+    for rec in recs:
+        held = state.pop(rec.param, None)
+        if held is not None:
+            state[proxies[id(rec.param)]] = held
     try:
-        yield
-        done = True
+        step_only(optimizer, groups, {id(proxy) for proxy in proxies.values()})
     finally:
-        with torch.no_grad():
-            for rec in recs:
-                if done:
-                    _write_slice(rt, rec)
-                set_real_grad(rec.param, None)
-                rt.executor.free((rec,))
+        for rec in recs:
+            held = state.pop(proxies[id(rec.param)], None)
+            if held is not None:
+                state[rec.param] = held
+    with torch.no_grad():
+        for rec in recs:
+            _write_slice(rt, rec, proxies[id(rec.param)])
 
 
-def _write_slice(rt, rec) -> None:
-    """Copy this rank's slice of the whole parameter's value into its shard (the layout of ``make_shard``)."""
-    value = placeholder.storage(rec.param).reshape(-1)
+def _write_slice(rt, rec, proxy) -> None:
+    """Copy this rank's slice of the whole parameter's new value into its shard (the layout of ``make_shard``)."""
+    value = proxy.detach().reshape(-1)
     lo = min(rt.rank * rec.shard_numel, rec.numel)
     hi = min((rt.rank + 1) * rec.shard_numel, rec.numel)
     rec.shard.detach()[: hi - lo].copy_(value[lo:hi])

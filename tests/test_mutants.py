@@ -153,7 +153,9 @@ def test_every_saved_reproduction_fails_with_the_check(catalogue, ranks2, tmp_pa
         assert any(expected in output for _, output in results), (row.fault.name, expected, results)
         fixed = tmp_path / f"fixed_{row.fault.name}.py"
         fixed.write_text(re.sub(r"^FAULT = .*$", "FAULT = None", finding.reproduction, flags=re.M), encoding="utf-8")
-        assert ranks2.run(run_saved, str(fixed), timeout=120) == [(0, ""), (0, "")], row.fault.name
+        # Silent, or stopped at an accepted refusal (a write inside forward: every rank raised WriteToGathered).
+        assert all(status == 0 and (not output or "stopped: every rank raised" in output)
+                   for status, output in ranks2.run(run_saved, str(fixed), timeout=120)), row.fault.name
 
 
 @pytest.mark.catalogue

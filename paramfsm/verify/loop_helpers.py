@@ -145,9 +145,15 @@ def offload_policy(subject, config, world: int):
 def refused_shard(model, group=None) -> None:
     """``shard()`` with an offload bound below one unit (``Config.refused_shard``): it must raise
     ``ArgumentError`` and leave ``model`` as it was, trainable and shardable again (paramfsm #53, item 6)."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     try:
         paramfsm.shard(model, group=group, offload=Offload(optimizer="cpu", grads="cpu", max_resident_bytes=1))
     except ArgumentError:
+        left = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        broken = [name for name in shapes if left.get(name) != shapes[name]]
+        if broken:  # every rank alike: the refusal is deterministic
+            raise AssertionError(f"the refused shard() left parameter '{broken[0]}' with shape {left.get(broken[0])}"
+                                 f", not {shapes[broken[0]]}") from None
         return
     raise AssertionError("shard(offload=Offload(max_resident_bytes=1)) did not refuse the bound")
 
