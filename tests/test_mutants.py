@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from paramfsm import amp, assembly, checkpoint, full_state, gathered, grad_norm, offload_step, optim
+from paramfsm import amp, checkpoint, full_state, gathered, grad_norm, offload_step, optim
 from paramfsm.checkpoint import layout as checkpoint_layout
 from paramfsm.core import replay
 from paramfsm.core.trace import Trace
@@ -64,7 +64,7 @@ def _patchable():
             replay.replay, Trace._snapshot, dict(vars(UnsyncedGrads)), dict(vars(ShardWrites)),
             gathered._write_back, _methods(Residency), _methods(Pager), optim._after_closure,
             _methods(GradPaging), dict(vars(DiskTier)), checkpoint.sharded_state_dict, members.install, holds.watch,
-            residency._LEAVING, offload_step._step_only, optim.is_elementwise, grad_norm._owners, assembly.give_back,
+            residency._LEAVING, offload_step._step_only, optim.is_elementwise, grad_norm._owners,
             lost_writes.checked)
 
 

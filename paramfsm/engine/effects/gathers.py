@@ -298,10 +298,16 @@ class Gathers:
 
     @staticmethod
     def _persistent(rec, like: torch.Tensor) -> torch.Tensor:
-        """The parameter's own full tensor, its storage grown back to full size."""
+        """The parameter's own full tensor, its storage grown back to full size.
+
+        Made outside inference mode even when the gather that first needs it runs inside one (an evaluation
+        under ``torch.inference_mode()``): an inference tensor kept for life would refuse every later write,
+        a ``rt.gathered(writeback=True)`` block's or the unpack's in a training forward.
+        """
         full = rec.full
         if full is None or full.dtype != like.dtype:
-            full = rec.full = torch.empty(rec.shape, dtype=like.dtype, device=like.device)
+            with torch.inference_mode(False):
+                full = rec.full = torch.empty(rec.shape, dtype=like.dtype, device=like.device)
         else:
             storage = full.untyped_storage()
             if storage.nbytes() == 0:

@@ -4,8 +4,10 @@ Each function returns a context manager that patches paramfsm for the duration o
 :mod:`paramfsm.verify.faults.catalogue`). Each one is a silent result ``paramfsm #53`` found in loops from
 FSDP2's and DeepSpeed's own tests: a gradient zeroed in place in a bounded resident set read back from its
 tier, an offloaded step running the optimizer's hooks once per unit, a shape-dependent optimizer stepped on
-flat shards, torch's own clipping over shards clipping each rank by its partial norm, and a refused ``shard()``
-leaving the model's parameters empty, and a write inside forward dropped at the release. ``paramfsm verify``
+flat shards, torch's own clipping over shards clipping each rank by its partial norm, and a write inside
+forward dropped at the release. (A refused ``shard()`` that leaves the parameters cut is caught by the saved
+reproduction ``tests/reproductions/refused_shard_then_training.py`` and ``tests/test_atomic_refusals.py``: the
+broken model fails at setup, where a catalogue entry's reproduction cannot name the check.) ``paramfsm verify``
 kills them through the canonical programs of #53
 (``Config(optimizer="adafactor", clip_plain=True)``, ``Config(offload="cpu-bounded", zero_grad_to_none=False,
 step_hooks=True)`` and ``Config(offload="cpu", step_hooks=True, refused_shard=True)``).
@@ -13,7 +15,7 @@ step_hooks=True)`` and ``Config(offload="cpu", step_hooks=True, refused_shard=Tr
 
 from __future__ import annotations
 
-from paramfsm import assembly, grad_norm, offload_step, optim
+from paramfsm import grad_norm, offload_step, optim
 from paramfsm.engine.effects import lost_writes
 from paramfsm.engine.schedule import residency
 from paramfsm.verify.faults.patching import patched
@@ -59,12 +61,6 @@ def plain_clip_partial():
     return patched(grad_norm, "_owners", lambda original: lambda: {})  # no tensor is seen as a shard gradient
 
 
-def refused_shard_not_rolled_back():
-    """A ``shard()`` that refuses an offload setting leaves the parameters cut: the model raises NotGathered
-    everywhere and cannot be sharded again."""
-    return patched(assembly, "give_back", lambda original: lambda rt, records, born_meta: rt.trace.close())
-
-
 #: The entries, as the fields of :class:`~paramfsm.verify.faults.catalogue.Fault` (name, bug, source, kind,
 #: inject).
 STEPS = (
@@ -92,9 +88,4 @@ STEPS = (
      "torch.nn.utils.clip_grad_norm_ over the shards clips each rank by its own partial norm",
      "paramfsm #53, item 5 (5.87 and 5.39 against a true norm of 7.97; Lightning routes around the same trap)",
      "correctness", plain_clip_partial),
-    ("refused_shard_not_rolled_back",
-     "a shard() refusing an offload setting leaves the model's parameters empty, unusable and unshardable",
-     "paramfsm #53, item 6 (an unwritable folder or a bound below one unit: model(x), state_dict() and a second "
-     "shard() raised NotGathered)",
-     "correctness", refused_shard_not_rolled_back),
 )
