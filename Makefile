@@ -75,6 +75,7 @@ verify: install
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:gan_pair --examples 20
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:structured_outputs --examples 10
 	$(PY) -m paramfsm verify paramfsm.testing.subjects:view_outputs --examples 10
+	$(PY) -m paramfsm verify paramfsm.testing.subjects:frozen_norm_mlp --examples 10
 
 # Longer than CI's fixed budget, with a new seed each run (printed first, so a failure replays with
 # --seed): 200 programs per subject. Run it before a change to the engine lands.

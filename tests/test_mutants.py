@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from paramfsm import amp, checkpoint, full_state, gathered, grad_norm, offload_step, optim
+from paramfsm import amp, assembly, checkpoint, full_state, gathered, grad_norm, offload_step, optim
 from paramfsm.checkpoint import layout as checkpoint_layout
 from paramfsm.core import replay
 from paramfsm.core.trace import Trace
@@ -31,6 +31,7 @@ from paramfsm.engine.schedule.prefetch import Prefetch
 from paramfsm.engine.schedule.residency import Residency
 from paramfsm.engine.schedule.scheduler import Scheduler
 from paramfsm.engine.schedule.shard_writes import ShardWrites
+from paramfsm.engine.storage import partitioned
 from paramfsm.engine.storage.tiers import DiskTier
 from paramfsm.testing.mutants import SUBJECT, format_table, main, run_catalogue, trace_check
 from paramfsm.verify import faults
@@ -65,7 +66,7 @@ def _patchable():
             gathered._write_back, _methods(Residency), _methods(Pager), optim._after_closure,
             _methods(GradPaging), dict(vars(DiskTier)), checkpoint.sharded_state_dict, members.install, holds.watch,
             residency._LEAVING, offload_step._step_only, optim.is_elementwise, grad_norm._owners,
-            lost_writes.checked)
+            lost_writes.checked, assembly.compute_dtypes, partitioned.TracingContext)
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))

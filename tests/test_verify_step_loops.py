@@ -5,7 +5,9 @@ Each script in ``tests/reproductions/`` is ``paramfsm verify``'s own reproductio
 each one fails (a whole-parameter optimizer refused; an offloaded step's hooks once per unit; a gradient zeroed
 in place in a bounded tier read back from the tier; torch's clipping over shards by each rank's partial norm; a
 refused ``shard()`` leaving the model's parameters empty; a write inside forward dropped, on the engine before
-``WriteToGathered``), and now each exits 0 (the write: every rank refuses it, the accepted outcome).
+``WriteToGathered``; an eval forward of compiled blocks between backward and step raising
+``InternalTorchDynamoError(NotGathered)``; a frozen batch norm under bf16 raising torch's dtype error), and now
+each exits 0 (the write: every rank refuses it, the accepted outcome).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from paramfsm.verify.reproduction import run_saved
 
 SAVED = Path(__file__).resolve().parent / "reproductions"
 LOOPS = ["whole_parameter_optimizer.py", "step_hooks_under_offload.py", "zero_grad_in_bounded_tier.py",
-         "plain_clip_over_shards.py", "refused_shard_then_training.py", "write_in_forward.py"]
+         "plain_clip_over_shards.py", "refused_shard_then_training.py", "write_in_forward.py",
+         "compiled_eval_between_steps.py", "batch_norm_under_bf16.py"]
 
 
 @pytest.mark.parametrize("script", LOOPS)

@@ -147,3 +147,31 @@ class ViewNet(nn.Module):
         h = self.lift(x).squeeze(0)
         h += self.mix(x)
         return self.out(torch.tanh(h))
+
+
+class FrozenNormNet(nn.Module):
+    """A batch norm frozen in eval mode between two linear layers, as detection backbones freeze theirs.
+
+    Its statistics are the running ones, whatever mode the model is in, so each sample is normalised alone
+    (a training-mode batch norm would couple a rank's samples, which verify cannot compare with the global
+    batch). Its weight and bias still train. The running statistics are drawn from torch's generator, so the
+    normalisation is not the identity.
+    """
+
+    def __init__(self, d_in: int = 5, width: int = 7):
+        super().__init__()
+        self.inp = nn.Linear(d_in, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.out = nn.Linear(width, d_in)
+        with torch.no_grad():
+            self.norm.running_mean.normal_(0.0, 0.3)
+            self.norm.running_var.uniform_(0.5, 2.0)
+        self.norm.eval()
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.norm.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.norm(self.inp(x))))

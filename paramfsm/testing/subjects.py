@@ -16,7 +16,9 @@ The subjects of the user-loop ops (:mod:`paramfsm.verify.user_loop_intents`):
 each; ``structured_outputs``, units returning a dataclass and a namedtuple of
 nested containers; ``view_outputs``, a unit returning a view and an in-place
 op on a view of a unit's output; ``mlp_one_unit``, a model sharded as one
-unit (no unit below the root for a sub-forward to run).
+unit (no unit below the root for a sub-forward to run). ``frozen_norm_mlp``
+holds a batch norm frozen in eval mode, kept in full precision under
+``param_dtype``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paramfsm.testing.models import Block, Encoder, GanPair, Scorer, StructuredNet, TinyTransformer, ViewNet, mlp
+from paramfsm.testing.models import Block, Encoder, FrozenNormNet, GanPair, Scorer, StructuredNet, TinyTransformer, ViewNet, mlp
 from paramfsm.verify.subject import Subject
 
 # Odd sizes on purpose: with a width of 13 and a vocabulary of 29, most parameters (embedding and
@@ -82,6 +84,12 @@ def mlp_one_unit() -> Subject:
     """``mlp_regression`` sharded as one unit (``units=lambda name, module: False``)."""
     return Subject(mlp(width=7, depth=3, d_in=5, d_out=5), regression_batch, F.mse_loss,
                    units=lambda name, module: False)
+
+
+def frozen_norm_mlp() -> Subject:
+    """``FrozenNormNet``: a batch norm in eval mode (its weight and bias trained) between linear layers. Under
+    ``param_dtype`` it computes in full precision, as FSDP's mixed precision does by default."""
+    return Subject(FrozenNormNet(), regression_batch, F.mse_loss)
 
 
 def noise_batch(generator: torch.Generator, n: int):

@@ -127,6 +127,12 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
      (("iteration", 0, 0, False), ("accumulate", 0, 1, False), ("accumulate", 0, 2, False))),
     # A write to a weight inside forward (a layer clamping its own weight): refused on every rank.
     (Config(), (("iteration", 0, 0, False), ("write_in_forward", 0, 1, False))),
+    # paramfsm #53, item 6. Each block compiled (the README's recipe): an iteration, then an eval segment between
+    # a backward and its step recompiles the blocks while the parameters hold gradients; the step, an iteration.
+    # (A batch norm under param_dtype, frozen_norm_mlp's, runs in the bf16 pattern above.)
+    (Config(compiled=True), (("iteration", 0, 0, False), ("forward", 0, 1, False),
+                                                     ("backward", 0, 1, False), ("evaluate", 1, 2, False),
+                                                     ("step", 0, 0, False), ("iteration", 0, 3, False))),
     # A shard() refused for its offload bound first, then training under offload with a step pre-hook.
     (Config(offload="cpu", step_hooks=True, refused_shard=True), (("iteration", 0, 0, False),
                                                                   ("iteration", 1, 1, False))),

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import math
 import tempfile
+import threading
 import weakref
 
 import torch
@@ -236,6 +237,35 @@ def default_blocks(model: nn.Module) -> tuple[str, ...]:
         if isinstance(module, nn.ModuleList) and len(module):
             return tuple(f"{name}.{child}" if name else child for child, _ in module.named_children())
     return ()
+
+
+def compile_blocks(model: nn.Module, names) -> None:
+    """Compile each named block's forward, as the README recommends after ``shard()`` (``Config.compiled``).
+
+    ``names``: the subject's blocks (:func:`default_blocks`); a model without blocks compiles each child that
+    holds parameters. Dynamo's caches are reset first, so a program compiles from scratch whatever ran before it
+    in the process. ``aot_eager`` traces forward and backward as inductor does, without generating code.
+    """
+    torch._dynamo.reset()
+    _thread_lock_for_progress_bars()
+    modules = [model.get_submodule(name) for name in names] or [
+        child for child in model.children() if next(child.parameters(), None) is not None]
+    for module in modules:
+        module.forward = torch.compile(module.forward, backend="aot_eager")
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """Give tqdm a thread lock before Dynamo's FX interpreter makes it build its default one.
+
+    tqdm's default lock holds a multiprocessing semaphore. A rank process of verify's pool is ended by its
+    parent, so that semaphore is never released, and the parent's resource tracker prints a "leaked semaphore"
+    warning under a passing run. Progress bars within one rank process need no lock between processes.
+    """
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 class _Reentrant(nn.Module):

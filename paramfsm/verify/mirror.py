@@ -62,6 +62,7 @@ import contextlib
 import copy
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_map
 
 from paramfsm.verify import user_loops
@@ -140,7 +141,15 @@ class Mirror:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _low_copy(self):
-        low = copy.deepcopy(self.model).to(self.dtype)
+        """The model with its parameters in the compute dtype, as paramfsm gathers them: buffers keep theirs
+        (``param_dtype`` casts no buffer), and batch norms keep full-precision parameters (FSDP's
+        mixed-precision default: [Note: batch norms compute in their parameters' precision])."""
+        low = copy.deepcopy(self.model)
+        kept = {id(p) for m in low.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                for p in m.parameters(recurse=False)}
+        for p in low.parameters():
+            if id(p) not in kept:
+                p.data = p.data.to(self.dtype)
         for p in low.parameters():
             p.grad = None
         return low

@@ -286,6 +286,7 @@ def configs(shape: Shape | None = None) -> st.SearchStrategy[Config]:
         zero_grad_to_none=st.sampled_from((True, False)),
         clip_plain=st.booleans(),
         refused_shard=st.sampled_from((False, False, False, True)),
+        compiled=st.sampled_from((False,) * 7 + (True,)),
         retain=st.sampled_from(("defer", "regather", "defer")),
         prefetch=st.sampled_from((1, 0, 2)),
         bucket_bytes=st.sampled_from((8 << 20, 1)),

@@ -68,7 +68,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
                      | {"reentrant_blocks" for op in program.ops if getattr(op, "mode", "") == "reentrant"}
                      | {"forget_recoveries" for op in program.ops if isinstance(op, Interrupted)}
                      | ({"another_run", "offload_policy"} if tiered else set())
-                     | ({"refused_shard"} if program.config.refused_shard else set()))
+                     | ({"refused_shard"} if program.config.refused_shard else set())
+                     | ({"compile_blocks"} if program.config.compiled else set()))
     scaled = program.config.scaled
     quoted = message.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
     ranks = str(world) if world else "WORLD"
@@ -119,6 +120,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         *_shard_lines(program, meta, offload),
         *([f"    initialise(rt, subject, {seed})  # rt.init_weights(subject.init) after torch.manual_seed"]
           if meta else []),
+        *(["    compile_blocks(model, check.blocks)  # each block's forward torch.compile'd (aot_eager)"]
+          if program.config.compiled else []),
         *(["    neighbour = another_run(offload, rank, world)  # a second run sharing a disk tier's folder"]
           if tiered else []),
         *([f"    scaler = paramfsm.amp.GradScaler(rt, {', '.join(f'{k}={v!r}' for k, v in SCALER.items())})"]

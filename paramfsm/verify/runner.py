@@ -76,7 +76,7 @@ from paramfsm.verify.ops import (
 )
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
-    SCALER, another_run, compute_dtype, refused_shard, force_overflow, load_plain_dcp, offload_policy, perturbed, reentrant_blocks,
+    SCALER, another_run, compile_blocks, compute_dtype, refused_shard, force_overflow, load_plain_dcp, offload_policy, perturbed, reentrant_blocks,
     forget_recoveries, quiet_recoveries, reshard_policy, unit_arguments,
 )
 
@@ -131,6 +131,8 @@ class Run:
                                  reshard_after_forward=reshard_policy(c), offload=self.offload,
                                  device=next(reference.parameters()).device if reference is not None else None)
         initialise(self.rt, subject, options.seed)
+        if c.compiled:
+            compile_blocks(self.model, self.check.blocks)
         self.neighbour = another_run(self.offload, rank, world)  # a second run sharing a disk tier's folder
         self.scaler = paramfsm.amp.GradScaler(self.rt, **SCALER) if c.scaled else None
         self.check.attach(self.rt, self.scaler)

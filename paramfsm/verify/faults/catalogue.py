@@ -42,6 +42,7 @@ from paramfsm.engine.schedule.prefetch import Prefetch
 from paramfsm.engine.schedule.scheduler import Scheduler
 from paramfsm.engine.storage.partitioned import real_grad, set_real_grad
 from paramfsm.verify.faults.accumulation import ACCUMULATION
+from paramfsm.verify.faults.compute import COMPUTE
 from paramfsm.verify.faults.default_units import DEFAULT_UNITS
 from paramfsm.verify.faults.patching import patched as _patched
 from paramfsm.verify.faults.regressions import REGRESSIONS
@@ -342,6 +343,7 @@ CATALOGUE: tuple[Fault, ...] = (
     *(Fault(*entry) for entry in OFFLOAD),  # offload: page-in, write-back, a tier copy older than the step
     *(Fault(*entry) for entry in DEFAULT_UNITS),  # merged units, units kept for their backward
     *(Fault(*entry) for entry in STEPS),  # offloaded and whole-parameter steps, clipping, refused shard()
+    *(Fault(*entry) for entry in COMPUTE),  # a batch norm under param_dtype, a compiler reading gradients
 )
 
 FAULTS: dict[str, Fault] = {fault.name: fault for fault in CATALOGUE}
