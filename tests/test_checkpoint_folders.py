@@ -161,6 +161,42 @@ def test_the_two_rename_swap_replaces_a_checkpoint(rt, tmp_path, monkeypatch):
     assert all(torch.equal(got[k], want[k]) for k in got)
 
 
+class _Killed(BaseException):
+    """The process dies at a save's named point: nothing after it runs, no cleanup either."""
+
+
+def _kill_at(point):
+    def hook(reached):
+        if reached == point:
+            raise _Killed(point)
+    return hook
+
+
+@pytest.mark.parametrize("point", ["retired", "committed", "manifest_written"])
+def test_latest_finds_what_load_finds_after_a_kill_inside_the_two_rename_swap(rt, tmp_path, monkeypatch, point):
+    """A kill between the two renames leaves no ``step-2``, only ``.step-2.retired-<token>``: ``load`` reads it
+    under its name, so ``latest`` must return it too (``--resume auto`` would otherwise start from step 0)."""
+    monkeypatch.setattr(folders, "use_exchange", False)
+    ck.save(rt, tmp_path / "step-1")
+    _bump(rt)
+    ck.save(rt, tmp_path / "step-2")
+    want = rt.full_state_dict()
+    _bump(rt)
+    monkeypatch.setattr(folders, "fault_hook", _kill_at(point))
+    with pytest.raises(_Killed):
+        ck.save(rt, tmp_path / "step-2")
+    monkeypatch.setattr(folders, "fault_hook", None)
+    found = ck.latest(tmp_path)
+    assert found == tmp_path / "step-2", (found, sorted(os.listdir(tmp_path)))
+    if point != "committed":  # a kill after the second rename leaves the new checkpoint there
+        _bump(rt)
+        ck.load(rt, found)
+        got = rt.full_state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in got)
+    ck.save(rt, tmp_path / "step-3", keep_last=1)  # the moved-aside checkpoint counts, and goes, like any other
+    assert sorted(os.listdir(tmp_path)) == ["step-3"], "keep_last left the killed save's leftovers"
+
+
 def test_extra_files_are_saved_inside_the_checkpoint_and_replaced_with_it(rt, tmp_path):
     ck.save(rt, tmp_path / "ck", extra_files={"meta.pt": b"first", "notes.txt": b"a"})
     assert (tmp_path / "ck" / "meta.pt").read_bytes() == b"first"

@@ -209,13 +209,19 @@ def prepare(path: Path, token: str) -> None:
 
 def recover(path: Path) -> Path | None:
     """Rank 0: put back the checkpoint a two-rename swap moved aside when a crash left no ``path``."""
-    if path.exists():
+    retired = None if path.exists() else _moved_aside(path)
+    if retired is None:
         return None
+    os.rename(retired, path)
+    logger.warning("restored %s from %s (a save over it was interrupted)", path, retired)
+    return path
+
+
+def _moved_aside(path: Path) -> Path | None:
+    """The newest complete checkpoint a two-rename swap over ``path`` moved aside, or None."""
     for retired in reversed(_leftovers(path, "retired")):
         if problem(retired) is None:
-            os.rename(retired, path)
-            logger.warning("restored %s from %s (a save over it was interrupted)", path, retired)
-            return path
+            return retired
     return None
 
 
@@ -227,11 +233,10 @@ def readable(path: Path) -> Path:
     why = problem(path)
     if why is None:
         return path
-    if not path.exists():
-        for retired in reversed(_leftovers(path, "retired")):
-            if problem(retired) is None:
-                logger.warning("loading %s: a save over %s was interrupted before it finished", retired, path)
-                return retired
+    retired = None if path.exists() else _moved_aside(path)
+    if retired is not None:
+        logger.warning("loading %s: a save over %s was interrupted before it finished", retired, path)
+        return retired
     unfinished = _leftovers(path, "staging")
     hint = (f"; {unfinished[-1].name} beside it is a save that did not finish (never loaded)"
             if unfinished else "")
@@ -303,13 +308,34 @@ def _saved_ns(folder: Path) -> int:
 
 
 def complete_checkpoints(parent: Path) -> list[Path]:
-    """The complete checkpoints directly in ``parent``, oldest first (hidden leftovers are never listed)."""
+    """The complete checkpoints directly in ``parent``, oldest first, each by the path ``load`` takes."""
+    return [name for name, _ in _complete(Path(parent))]
+
+
+def _complete(parent: Path) -> list[tuple[Path, Path]]:
+    """``(name, folder)`` of each complete checkpoint in ``parent``, oldest first.
+
+    [Note: a checkpoint moved aside is still a checkpoint]
+    ``name`` is the path ``load`` takes; ``folder`` holds the files. They differ
+    for a checkpoint a two-rename swap moved aside (``.<name>.retired-<token>``)
+    when a crash between the renames left no ``<name>``: :func:`readable` loads
+    it under ``<name>``, so ``latest`` must list it under that name too, or a
+    resume would start over from step 0 while the checkpoint sits beside it.
+    Every other hidden leftover (staging, removed) is never listed.
+    """
     try:
-        children = [p for p in Path(parent).iterdir() if not p.name.startswith(".") and p.is_dir()]
+        children = list(parent.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return []
-    found = [p for p in children if problem(p) is None]
-    return sorted(found, key=lambda p: (_saved_ns(p), p.name))
+    found = {p: p for p in children if not p.name.startswith(".") and p.is_dir() and problem(p) is None}
+    for p in children:
+        head, retired, _ = p.name.partition(".retired-")
+        name = parent / head[1:]
+        if retired and head.startswith(".") and name not in found and not name.exists():
+            folder = _moved_aside(name)
+            if folder is not None:
+                found[name] = folder
+    return sorted(found.items(), key=lambda item: (_saved_ns(item[1]), item[0].name))
 
 
 def latest(parent) -> Path | None:
@@ -327,13 +353,17 @@ def prune(parent: Path, keep_last: int, token: str) -> list[Path]:
     """Rank 0: remove all but the newest ``keep_last`` checkpoints in ``parent`` that paramfsm saved.
 
     Each goes by a rename to a hidden name first, so a crash never leaves a
-    half-removed folder that looks like a checkpoint. Returns what was removed.
+    half-removed folder that looks like a checkpoint. The hidden leftovers of
+    each removed name (a staging folder or a moved-aside checkpoint a killed
+    save left) go with it: no later save of that name would clean them.
+    Returns what was removed.
     """
-    ours = [p for p in complete_checkpoints(parent) if read_manifest(p) is not None]
+    ours = [(name, folder) for name, folder in _complete(parent) if read_manifest(folder) is not None]
     gone = ours[: max(len(ours) - keep_last, 0)]
-    for old in gone:
-        hidden = _sibling(old, "removed", token)
-        os.rename(old, hidden)
+    for name, folder in gone:
+        hidden = _sibling(name, "removed", token)
+        os.rename(folder, hidden)
         reach("pruning")
-        shutil.rmtree(hidden, ignore_errors=True)
-    return gone
+        for leftover in (hidden, *_leftovers(name, "retired"), *_leftovers(name, "staging")):
+            shutil.rmtree(leftover, ignore_errors=True)
+    return [name for name, _ in gone]
