@@ -145,6 +145,18 @@ def test_programs_plain_torch_cannot_run_are_rejected_not_reported(capsys):
     assert "Traceback" not in err
 
 
+def test_a_passing_verify_prints_nothing_but_its_result(capfd, tmp_path, monkeypatch):
+    """Its canonical programs end in accepted outcomes (every rank raising RankDesync, every rank refusing a
+    write inside forward), whose flight-recorder dumps verify removes: no notice names one of them."""
+    monkeypatch.setenv("PARAMFSM_TRACE_DIR", str(tmp_path))  # read when a rank pool starts
+    assert cli.main(["verify", "paramfsm.testing.subjects:mlp_regression", "--examples", "1",
+                     "--progress", "-1"]) == 0
+    out, err = capfd.readouterr()
+    assert out.startswith("OK: ") and out.count("\n") == 1, out
+    assert err == "", err
+    assert not list(tmp_path.iterdir())
+
+
 def test_the_rejection_summary_counts_by_reason():
     text = rejections({"Penalty op: RuntimeError: no double backward": 3, "Forward op: ValueError: eval": 1})
     assert text == ("4 programs rejected: plain torch cannot run them on this model: "

@@ -21,6 +21,7 @@ import math
 import tempfile
 import threading
 import weakref
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -85,11 +86,21 @@ def one_unit(name, module) -> bool:
 
 class _ExpectedRecovery(logging.Filter):
     """Drops the notices of the recoveries verify causes on purpose (an :class:`~paramfsm.verify.ops.Interrupted`
-    op's, the reset after an accepted ``RankDesync``); a failure is reported by the check that found it."""
+    op's, the reset after an accepted ``RankDesync``), and holds back every notice naming a flight-recorder
+    dump until the program ends (:func:`quiet_recoveries`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return "resetting gathered parameters" not in message and " interrupted on rank " not in message
+        if "resetting gathered parameters" in message or " interrupted on rank " in message:
+            return False
+        if any(isinstance(arg, Path) for arg in record.args or ()):
+            self.held.append(record)
+            return False
+        return True
 
 
 #: The loggers of a recovery's notices: the scheduler's reset, the flight recorder's dump.
@@ -98,7 +109,16 @@ _RECOVERY_LOGGERS = ("paramfsm.engine.schedule.scheduler", "paramfsm.engine.sche
 
 @contextlib.contextmanager
 def quiet_recoveries():
-    """Within the block, a recovery's notices are not printed (a program whose interruptions are expected)."""
+    """Within the block, a recovery's notices are not printed (a program whose interruptions are expected).
+
+    [Note: a passing verify names no file it removed]
+    A flight-recorder dump is written, and its notice logged, where the error is
+    raised: before the checker knows whether the outcome is accepted (every rank
+    raised ``RankDesync``, or refused a write inside forward) or a failure. An
+    accepted outcome removes its dumps, so its notice would name a file that is
+    gone. The notices are held back until the program ends and then printed for
+    the dumps that are still there: a failure's, which its report names.
+    """
     quiet = _ExpectedRecovery()
     for name in _RECOVERY_LOGGERS:
         logging.getLogger(name).addFilter(quiet)
@@ -107,6 +127,9 @@ def quiet_recoveries():
     finally:
         for name in _RECOVERY_LOGGERS:
             logging.getLogger(name).removeFilter(quiet)
+        for record in quiet.held:
+            if all(arg.exists() for arg in record.args if isinstance(arg, Path)):
+                logging.getLogger(record.name).handle(record)
 
 
 def forget_recoveries(rt) -> None:
