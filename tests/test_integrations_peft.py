@@ -36,9 +36,10 @@ def base_model():
     return transformers.LlamaForCausalLM(config)
 
 
-def lora_model():
+def lora_model(modules_to_save=None):
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
-                             init_lora_weights="gaussian")  # B nonzero: the first step already moves logits
+                             init_lora_weights="gaussian",  # B nonzero: the first step already moves logits
+                             modules_to_save=modules_to_save)
     torch.manual_seed(1)
     return peft.get_peft_model(base_model(), config)
 
@@ -58,8 +59,8 @@ def train(model, rows):
         opt.step()
 
 
-def sharded_job(rank, world):
-    model = lora_model()
+def sharded_job(rank, world, modules_to_save=None, fallback=False):
+    model = lora_model(modules_to_save)
     rt = paramfsm.shard(model)
     train(model, slice(rank * PER_RANK, (rank + 1) * PER_RANK))
     model.eval()
@@ -74,7 +75,10 @@ def sharded_job(rank, world):
             own_save = "no error"
         except paramfsm.NotGathered as exc:
             own_save = type(exc).__name__
-        sharded_peft.save_adapter(rt, out)
+        if fallback:  # every tensor of the model, of which PEFT keeps the adapter's
+            sharded_peft.save_adapter(rt, out, state_dict=rt.full_state_dict(rank0_only=True))
+        else:
+            sharded_peft.save_adapter(rt, out)
         files = sorted(os.listdir(out))
         loaded = peft.PeftModel.from_pretrained(base_model(), out).eval()
         with torch.no_grad():
@@ -86,8 +90,8 @@ def sharded_job(rank, world):
             "trainable": sorted(trainable)}
 
 
-def plain_job(rank, world):
-    model = lora_model()
+def plain_job(rank, world, modules_to_save=None):
+    model = lora_model(modules_to_save)
     train(model, slice(None))
     model.eval()
     with torch.no_grad():
@@ -113,6 +117,21 @@ def test_lora_adapter_saved_from_shards_reloads_into_plain_peft(ranks2, ranks1):
         assert torch.allclose(report["loaded_logits"], plain["logits"], atol=1e-5)
     assert ours["trainable"] == plain["trainable"] and len(plain["trainable"]) == 8
     assert other["trainable"] == [], "rank0_only: the other ranks keep no full tensor"
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["save_adapter", "full_state_dict"])
+def test_an_adapter_with_modules_to_save_is_saved_and_reloads_into_plain_peft(ranks2, ranks1, fallback):
+    """``modules_to_save=["lm_head"]``: PEFT lists the wrapped head's keys from the live module, which raised
+    NotGathered on rank 0 while rank 1 waited in the barrier (see [Note: PEFT lists some keys from the live
+    module]). The trained head and LoRA weights reload into plain PEFT with plain PEFT's logits."""
+    ours, other = ranks2.run(sharded_job, ["lm_head"], fallback, timeout=120)
+    (plain,) = ranks1.run(plain_job, ["lm_head"])
+    assert any("modules_to_save" in key for key in plain["trainable"]), plain["trainable"]
+    for report in (ours, other):
+        assert report["files"] == plain["files"], report["files"]
+        assert (report["loaded_logits"] - report["logits"]).abs().max() < 1e-6
+        assert torch.allclose(report["loaded_logits"], plain["logits"], atol=1e-5)
+    assert ours["trainable"] == plain["trainable"]
 
 
 def not_peft_job(rank, world):

@@ -16,12 +16,23 @@ Both are collective: every rank calls them.
 
 An adapter whose saved tensors are not all trainable parameters (VeRA's shared
 random projections, saved as buffers with ``save_projection=True``) needs the
-whole state dict: ``model.save_pretrained(d, state_dict=rt.full_state_dict(rank0_only=True))``
-on rank 0, after every rank called ``full_state_dict``.
+whole state dict: ``save_adapter(rt, d, state_dict=rt.full_state_dict(rank0_only=True))``
+on every rank.
+
+[Note: PEFT lists some keys from the live module]
+PEFT takes the tensors from the state dict it is given, but for its
+auxiliary training wrappers (``modules_to_save``'s ``ModulesToSaveWrapper``,
+trainable tokens) it lists which keys to take by calling ``state_dict()`` on
+the live wrapped module. On a sharded model that call reads placeholders and
+raised ``NotGathered`` on rank 0, while the other ranks waited in the barrier.
+So every rank holds those wrappers' units gathered, read-only, while rank 0
+writes: collective, and only the wrappers' units (a task head or an output
+layer), never the whole model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -64,23 +75,38 @@ def save_adapter(rt, directory, **kwargs) -> None:
     with PEFT's own ``save_pretrained(directory, state_dict=..., **kwargs)``
     (``selected_adapters=``, ``safe_serialization=`` and the rest pass
     through); then every rank waits for the files, so any rank can read them
-    once this returns.
+    once this returns. ``state_dict=``: the tensors to save instead of the
+    trainable parameters, on rank 0 (``rt.full_state_dict(rank0_only=True)``,
+    called on every rank, for an adapter that also saves buffers).
     """
     save = getattr(rt.model, "save_pretrained", None)
     if save is None or not hasattr(rt.model, "peft_config"):
         raise ParamFSMError(f"save_adapter: the sharded {type(rt.model).__name__} is not a PEFT model (rank "
                             f"{rt.rank}); shard the PeftModel (paramfsm.shard(get_peft_model(base, config))), or "
                             "save a plain model with save_pretrained(d, state_dict=rt.full_state_dict(rank0_only=True))")
-    state_dict = trainable_state_dict(rt, rank0_only=True)
-    if _global_rank(rt) == 0:
-        if not state_dict:
-            raise ParamFSMError(f"save_adapter: '{type(rt.model).__name__}' has no trainable parameter to save; "
-                                "an adapter is saved from its trainable parameters (was the model frozen after "
-                                "get_peft_model?)")
-        logger.info("writing %d adapter tensors to %s", len(state_dict), directory)
-        save(os.fspath(directory), state_dict=state_dict, **kwargs)
+    given = kwargs.pop("state_dict", None)
+    if given is None and not any(p.requires_grad for p in rt.model.parameters()):  # alike on every rank
+        raise ParamFSMError(f"save_adapter: '{type(rt.model).__name__}' has no trainable parameter to save (rank "
+                            f"{rt.rank}); an adapter is saved from its trainable parameters (was the model frozen "
+                            "after get_peft_model?)")
+    state_dict = given if given is not None else trainable_state_dict(rt, rank0_only=True)
+    wrappers = _listing_wrappers(rt.model)
+    with rt.gathered(*wrappers, writeback=False) if wrappers else contextlib.nullcontext():
+        if _global_rank(rt) == 0:
+            logger.info("writing %d adapter tensors to %s", len(state_dict), directory)
+            save(os.fspath(directory), state_dict=state_dict, **kwargs)
     if dist.is_initialized():
         dist.barrier()
+
+
+def _listing_wrappers(model) -> list:
+    """The PEFT modules whose saving calls ``state_dict()`` on the live module (see [Note: PEFT lists some
+    keys from the live module])."""
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:  # a PEFT before the auxiliary wrappers: ModulesToSaveWrapper alone
+        from peft.utils.other import ModulesToSaveWrapper as AuxiliaryTrainingWrapper
+    return [m for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
 
 
 def _partitioned(rt, parameter) -> bool:
