@@ -278,17 +278,16 @@ def compile_blocks(model: nn.Module, names) -> None:
 
 
 def _thread_lock_for_progress_bars() -> None:
-    """Give tqdm a thread lock before Dynamo's FX interpreter makes it build its default one.
+    """Give the progress bar class of torch's FX interpreter a thread lock before it builds its default one.
 
-    tqdm's default lock holds a multiprocessing semaphore. A rank process of verify's pool is ended by its
-    parent, so that semaphore is never released, and the parent's resource tracker prints a "leaked semaphore"
-    warning under a passing run. Progress bars within one rank process need no lock between processes.
+    That class is tqdm's when tqdm is installed (``torch.hub.tqdm``), whose default lock holds a multiprocessing
+    semaphore. A rank process of verify's pool is ended by its parent, so that semaphore is never released, and
+    the parent's resource tracker printed a "leaked semaphore" warning under a passing run. Progress bars
+    within one rank process need no lock between processes. torch's own fallback class has no lock to set.
     """
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return
-    tqdm.set_lock(threading.RLock())
+    set_lock = getattr(torch.fx.interpreter.tqdm, "set_lock", None)
+    if set_lock is not None:
+        set_lock(threading.RLock())
 
 
 class _Reentrant(nn.Module):
