@@ -8,6 +8,7 @@ Usage (also ``python -m paramfsm``)::
     paramfsm trace summary T.jsonl             time per state, gathers, deferred windows, leaks
     paramfsm trace export T.jsonl --perfetto OUT.json
     paramfsm trace diff A.jsonl B.jsonl        first divergence between two ranks' traces
+    paramfsm offload clean PATH                remove offload files whose run ended (killed, crashed)
 
 Each command group is added by a ``register(subparsers)`` function, and every
 leaf command stores its handler as ``func``; a handler takes the parsed
@@ -272,7 +273,36 @@ def _input_file(text: str) -> Path:
     return path
 
 
-BUILTIN_COMMANDS: dict[str, Callable] = {"spec": register_spec, "trace": register_trace}
+# ------------------------------------------------------------------------ offload
+
+
+def register_offload(subparsers) -> None:
+    """``paramfsm offload clean``."""
+    group = subparsers.add_parser("offload", help="remove the offload files runs that ended left behind")
+    commands = group.add_subparsers(dest="offload_command", required=True, metavar="COMMAND")
+    clean = commands.add_parser(
+        "clean", help="remove the offload files in PATH whose run has ended (a live run's are kept)")
+    clean.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="a paramfsm.Offload(path=...) folder")
+    clean.set_defaults(func=_offload_clean)
+
+
+def _offload_clean(args) -> int:
+    from paramfsm.engine.storage import tier_files  # no torch: a plain file scan
+
+    missing = [str(path) for path in args.paths if not path.is_dir()]
+    if missing:
+        raise CommandError(f"not a folder: {', '.join(missing)}", status=2)
+    total = 0
+    for path in args.paths:
+        for file, size in tier_files.remove_ownerless(path):
+            print(f"removed {file} ({size} bytes)")
+            total += size
+    print(f"{total} bytes freed")
+    return 0
+
+
+BUILTIN_COMMANDS: dict[str, Callable] = {"spec": register_spec, "trace": register_trace,
+                                         "offload": register_offload}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -12,7 +12,9 @@ a read of a copy older than the working one is caught
 The disk tier writes one file per rank, created with ``O_EXCL`` under a name
 made of the rank, the process id and a random token, so two runs on one
 machine (or two runtimes in one process) never share a file, and a file left
-by a crashed run is never read as ours. Its space is reserved
+by a crashed run is never read as ours; such a file is removed by the next
+run that opens the folder ([Note: an offload file's owner] in
+:mod:`paramfsm.engine.storage.tier_files`). Its space is reserved
 (``posix_fallocate``) when a slot is first placed, so a full disk fails at
 placement, before any value depends on the file, not halfway through a step.
 ``close()`` removes it. The file is scratch space, not a checkpoint: it holds
@@ -22,13 +24,16 @@ no layout anyone else can read.
 from __future__ import annotations
 
 import errno
+import logging
 import os
-import secrets
 from pathlib import Path
 
 import torch
 
+from paramfsm.engine.storage import tier_files
 from paramfsm.errors import OffloadError
+
+logger = logging.getLogger(__name__)
 
 #: Slot offsets on disk are aligned to this many bytes (page size: direct, unsplit reads).
 ALIGN = 4096
@@ -88,14 +93,16 @@ class DiskTier:
         self._end = 0
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            name = f"paramfsm-offload-rank{rank}-pid{os.getpid()}-{secrets.token_hex(4)}.bin"
-            self.path = self.folder / name
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self.path, self.fd = tier_files.create(self.folder, rank)
         except OSError as exc:
             raise OffloadError(
                 f"cannot create the offload file for '{first_owner}' (rank {rank}) in '{self.folder}': "
                 f"{exc.strerror or exc}. What to do: pass paramfsm.Offload(path=...) a folder this process "
                 "can write, on a disk with room for this rank's offloaded shards and optimizer state.") from None
+        removed = tier_files.remove_ownerless(self.folder)
+        if removed:
+            logger.warning("rank %d removed %d offload file(s), %d bytes, that runs which ended without closing "
+                           "left in %s", rank, len(removed), sum(size for _, size in removed), self.folder)
 
     @property
     def nbytes(self) -> int:
