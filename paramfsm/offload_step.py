@@ -35,7 +35,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 
-from paramfsm import whole_params
+from paramfsm import step_space, whole_params
 from paramfsm.errors import OffloadError
 from paramfsm.offload import optimizer_placement
 
@@ -60,6 +60,8 @@ def offloading(writers) -> list:
 def step_by_unit(optimizer, writers, args, kwargs, runtimes=None) -> None:
     """Step ``optimizer`` unit by unit over the offloaded runtimes in ``writers`` (module docstring), or, with
     ``runtimes`` (each writer's runtime), on whole parameters (:mod:`paramfsm.whole_params`)."""
+    if runtimes is None:  # before any hook or unit: a step refused for its space changes nothing
+        step_space.reserve_new_state(optimizer, offloading(writers))
     args, kwargs = _own_pre_hooks(optimizer, args, kwargs)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
     if closure is not None:

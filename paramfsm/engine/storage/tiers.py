@@ -124,6 +124,15 @@ class DiskTier:
         slot = self.slots[key] = Slot(nbytes, offset)
         return slot
 
+    def reserve(self, nbytes: int, owner: str) -> None:
+        """Allocate ``nbytes`` more past the last slot, for slots placed later (see [Note: a first step that
+        cannot finish changes nothing] in :mod:`paramfsm.step_space`); a full disk raises here."""
+        try:
+            if nbytes:
+                os.posix_fallocate(self.fd, self._end, nbytes)
+        except OSError as exc:
+            raise self._io_error(owner, "reserve", nbytes, exc) from None
+
     def write(self, slot: Slot, tensor: torch.Tensor, version: int, owner: str) -> None:
         view = _bytes(tensor)
         try:
@@ -162,8 +171,10 @@ class DiskTier:
                   else "check the folder and its disk (paramfsm.Offload(path=...) chooses another)")
         return OffloadError(
             f"could not {what} {nbytes} bytes of '{owner}' (rank {self.rank}) in the offload file "
-            f"'{self.path}': {exc.strerror or exc}. The working copy is kept, so no value is lost or stale. "
-            f"What to do: {advice}.")
+            f"'{self.path}': {exc.strerror or exc}. "
+            + ("Nothing was written to it. " if what == "reserve" else
+               "The working copy is kept, so no value is lost or stale. ")
+            + f"What to do: {advice}.")
 
 
 def _same_size(slot: Slot, tensor: torch.Tensor, owner: str) -> Slot:
