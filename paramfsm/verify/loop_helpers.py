@@ -268,8 +268,12 @@ def compile_blocks(model: nn.Module, names) -> None:
     ``names``: the subject's blocks (:func:`default_blocks`); a model without blocks compiles each child that
     holds parameters. Dynamo's caches are reset first, so a program compiles from scratch whatever ran before it
     in the process. ``aot_eager`` traces forward and backward as inductor does, without generating code.
+
+    Donated buffers are turned off: with them, a compiled backward refuses ``retain_graph=True`` ("compiled
+    with non-empty donated buffers"), which verify's programs draw everywhere and its eager reference runs.
     """
     torch._dynamo.reset()
+    torch._functorch.config.donated_buffer = False
     _thread_lock_for_progress_bars()
     modules = [model.get_submodule(name) for name in names] or [
         child for child in model.children() if next(child.parameters(), None) is not None]

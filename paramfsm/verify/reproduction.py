@@ -84,6 +84,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         "failed check and exits 1 while the bug is present, and exits 0 once it is fixed.",
         '"""',
         *(["import contextlib"] if "NoSync" in used else []),
+        *(["import gc"] if program.config.compiled else []),
         "import sys",
         *(["from math import inf"] if "Clip" in used else []),
         "",
@@ -252,7 +253,8 @@ def _render_op(op, seen: set[int], config, script: _Script) -> list[str]:
                 "del params, grads, penalty"]
     if isinstance(op, Drop):
         acts = [f"acts{op.out}"] if op.out in script.sources else []
-        return ["del " + ", ".join([f"out{op.out}"] + [f"loss{k}" for k in op.losses] + acts)]
+        return ["del " + ", ".join([f"out{op.out}"] + [f"loss{k}" for k in op.losses] + acts),
+                *(["gc.collect()  # compiled blocks' graphs are in reference cycles"] if config.compiled else [])]
     if isinstance(op, ZeroGrad):
         return [script.each("opt.zero_grad(set_to_none=config.zero_grad_to_none)")]
     if isinstance(op, Interrupted):

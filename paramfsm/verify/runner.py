@@ -45,6 +45,16 @@ been reduced at most once per graph task, and ``rt.close()`` must restore the
 reference parameters. The ranks agree after every op (one tiny all-reduce) on
 whether to go on, so a failure on one rank never leaves another blocked in a
 collective.
+
+[Note: a compiled graph is freed by the collector]
+A graph recorded through compiled blocks (``Config.compiled``) under
+activation checkpointing sits in a reference cycle, so dropping the last
+reference to its output does not free it: only the cyclic collector does.
+paramfsm rightly keeps a retained graph's deferred parameters while the
+graph lives, and the at-rest check after the drop would report them. So a
+compiled program's ``Drop`` collects; the parameters are returned when the
+graph is freed, as in eager mode, and a user's program returns them at its
+next forward (a flush) or the next collection.
 """
 
 from __future__ import annotations
@@ -197,6 +207,8 @@ class Run:
             self.acts.pop(op.out, None)
             for k in op.losses:
                 del self.losses[k]
+            if self.program.config.compiled:  # [Note: a compiled graph is freed by the collector]
+                gc.collect()
         elif isinstance(op, ZeroGrad):
             for opt in self.opts:
                 opt.zero_grad(set_to_none=self.program.config.zero_grad_to_none)
