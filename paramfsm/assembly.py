@@ -8,6 +8,7 @@ concern has one module.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import numbers
@@ -37,6 +38,7 @@ from paramfsm.engine.storage.units import build_units, select_unit_modules
 from paramfsm.engine.storage.unsupported import refuse_transforms, refuse_unsupported
 from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
 from paramfsm.offload import plan as offload_plan
+from paramfsm.rank_errors import agreed
 
 RETAIN_POLICIES = ("defer", "regather")
 # Weak registries (they never keep a model alive): sharded models, and each partitioned
@@ -216,9 +218,14 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
         rt.executor.rank_check = "header"
         log.info("paramfsm units of %s on rank %d:\n%s", type(model).__name__, trace_rank,
                  default_units.describe(rt.units))
-    try:
-        rt.offload = offload_plan(rt, offload)
+    rt.offload = None
+    try:  # a tier's folder or disk can fail on one rank only ([Note: an error one rank meets])
+        groups = [rt.group] + ([replicate_group] if replicate_group is not None else [])
+        with agreed(groups, "paramfsm.shard's offload setting") if offload is not None else contextlib.nullcontext():
+            rt.offload = offload_plan(rt, offload)
     except BaseException:
+        if rt.offload is not None:  # built here, refused on another rank
+            rt.offload.close(strict=False)
         give_back(rt, records, born_meta)
         raise
     for rec in records:

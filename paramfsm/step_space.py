@@ -30,8 +30,8 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 
+from paramfsm import rank_errors
 from paramfsm.errors import OffloadError
 
 logger = logging.getLogger(__name__)
@@ -114,12 +114,8 @@ def _layout(optimizer, group_index: int, dtype, device):
 
 def _agree(group, error: str | None) -> None:
     """Raise OffloadError on every rank of ``group`` when any rank has an error (the lowest such rank's)."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    errors: list = [error] * world
-    if world > 1:
-        dist.all_gather_object(errors, error, group=group)
-    for found in errors:
-        if found is not None:
-            raise OffloadError(f"{found} Nothing was stepped on any rank: the parameters and the optimizer state "
-                               "are as they were before this step, and the step can be called again once there "
-                               "is room.")
+    found = rank_errors.agree(group, error)
+    if found is not None:
+        raise OffloadError(f"{found[1]} Nothing was stepped on any rank: the parameters and the optimizer state "
+                           "are as they were before this step, and the step can be called again once there is "
+                           "room.")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import paramfsm.checkpoint as ck
-from paramfsm import meta
+from paramfsm import meta, rank_errors
 from paramfsm.checkpoint import background, folders, layout
 from paramfsm.errors import ArgumentError, ParamFSMError
 
@@ -30,13 +30,9 @@ logger = logging.getLogger(__name__)
 
 def _agree(group, error: str | None) -> None:
     """Raise on every rank of ``group`` when any rank has an error (the lowest such rank's, naming it)."""
-    world = dist.get_world_size(group)
-    errors: list = [None] * world
-    dist.all_gather_object(errors, error, group=group)
-    for index, found in enumerate(errors):
-        if found is not None:
-            rank = dist.get_global_rank(group, index) if group is not None else index
-            raise ParamFSMError(f"{found} (rank {rank})")
+    found = rank_errors.agree(group, error)
+    if found is not None:
+        raise ParamFSMError(f"{found[1]} (rank {found[0]})")
 
 
 def _describe(exc: BaseException) -> str:

@@ -27,6 +27,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from paramfsm import checkpoint, meta, optim
 from paramfsm.errors import ParamFSMError
+from paramfsm.rank_errors import agreed
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +65,15 @@ def generate(rt, *args, **kwargs):
 
 
 def load_pretrained(rt, directory) -> None:
-    """Load the weights of a ``save_pretrained`` directory (safetensors) into a sharded model. No collective.
+    """Load the weights of a ``save_pretrained`` directory (safetensors) into a sharded model. Every rank calls it.
 
     Each rank reads only its slice of each tensor, one tensor at a time
     (:mod:`paramfsm.integrations.safetensors_slices`), from ``model.safetensors``
     or every file of ``model.safetensors.index.json``; every key, shape and byte
     range is checked against the headers and the files' sizes before any value
-    is written, so a bad checkpoint raises on every rank alike. A checkpoint
+    is written, so a bad checkpoint raises on every rank alike; a file only one
+    rank cannot read raises on every rank too (one all-gather of the outcome
+    at the end, the load's only collective). A checkpoint
     of another dtype than the model's is converted as ``from_pretrained``
     converts it (``tensor.to(dtype)``). A tied parameter
     is loaded from the one key the file keeps. The keys must be the model's own
@@ -89,17 +92,20 @@ def load_pretrained(rt, directory) -> None:
     from paramfsm.integrations import safetensors_slices
 
     directory = os.fspath(directory)
-    single, index = os.path.join(directory, SAFE_WEIGHTS_NAME), os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME)
-    if os.path.isfile(single):
-        files = [single]
-    elif os.path.isfile(index):
-        with open(index, encoding="utf-8") as handle:
-            files = [os.path.join(directory, name) for name in sorted(set(json.load(handle)["weight_map"].values()))]
-    else:
-        raise ParamFSMError(f"no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} in '{directory}' (rank "
-                            f"{rt.rank}); save with model.save_pretrained(d, state_dict=rt.full_state_dict())")
-    safetensors_slices.load_files(rt, files, directory)
-    recompute_buffers(rt)
+    groups = [rt.group] + ([rt.replicate_group] if rt.replicate_group is not None else [])
+    with agreed(groups, "load_pretrained"):  # a file one rank cannot read ([Note: an error one rank meets])
+        single, index = os.path.join(directory, SAFE_WEIGHTS_NAME), os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME)
+        if os.path.isfile(single):
+            files = [single]
+        elif os.path.isfile(index):
+            with open(index, encoding="utf-8") as handle:
+                files = [os.path.join(directory, name)
+                         for name in sorted(set(json.load(handle)["weight_map"].values()))]
+        else:
+            raise ParamFSMError(f"no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} in '{directory}' (rank "
+                                f"{rt.rank}); save with model.save_pretrained(d, state_dict=rt.full_state_dict())")
+        safetensors_slices.load_files(rt, files, directory)
+        recompute_buffers(rt)
 
 
 def recompute_buffers(rt) -> None:

@@ -1,0 +1,105 @@
+"""An error one rank meets is raised on every rank within seconds (2 gloo ranks).
+
+Each entry point is made to fail on rank 1 only, as a full disk, an unwritable folder or a missing file fails
+on one machine: ``shard()`` whose offload folder rank 1 cannot create, and ``load_pretrained`` of a folder only
+rank 0 has. Before, rank 1 raised alone and rank 0 went on into its next collective, which waited for the
+collective timeout (see [Note: an error one rank meets] in ``paramfsm.rank_errors``). The first optimizer step
+whose disk is full on one rank is ``tests/test_offload_full_disk.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import paramfsm
+from paramfsm.errors import OffloadError, ParamFSMError
+from paramfsm.testing.models import mlp
+
+pytestmark = pytest.mark.slow
+
+#: Every rank must raise this soon; the collective timeout of the ranks' next collective is far longer.
+WITHIN_S = 30
+
+
+def _next_collective(rank):
+    """What every rank does next after the call: a collective, which a rank left behind would wait in."""
+    flag = torch.ones(1)
+    dist.all_reduce(flag, group=dist.new_group(timeout=datetime.timedelta(seconds=120)))
+
+
+def shard_job(rank, world, folder):
+    torch.manual_seed(0)
+    model = mlp(width=16, depth=3, d_in=8, d_out=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    path = os.path.join(folder, f"rank{rank}")
+    if rank == 1:
+        open(path, "w").close()  # a file where the folder should be: rank 1 cannot create its tier there
+    start = time.monotonic()
+    try:
+        paramfsm.shard(model, offload=paramfsm.Offload(optimizer="disk", path=path))
+        outcome = "no error"
+    except ParamFSMError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - start
+    _next_collective(rank)
+    kept = all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    rt = paramfsm.shard(model)  # the model can be sharded again
+    rt.close()
+    return outcome, seconds, kept
+
+
+def test_shard_refused_by_one_ranks_offload_folder_raises_on_every_rank(ranks2, tmp_path):
+    for rank, (outcome, seconds, kept) in enumerate(ranks2.run(shard_job, str(tmp_path), timeout=120)):
+        assert outcome.startswith("OffloadError: "), (rank, outcome)
+        assert "rank 1" in outcome and "offload" in outcome, (rank, outcome)
+        assert seconds < WITHIN_S, (rank, seconds)
+        assert kept, f"rank {rank}: the refused shard() changed the model"
+
+
+def load_job(rank, world, root):
+    from paramfsm.integrations.hf import load_pretrained
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config(transformers))
+    rt = paramfsm.shard(model)
+    start = time.monotonic()
+    try:
+        load_pretrained(rt, os.path.join(root, "only-rank0" if rank == 0 else "missing"))
+        outcome = "no error"
+    except ParamFSMError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - start
+    _next_collective(rank)
+    rt.close()
+    return outcome, seconds
+
+
+def _config(transformers):
+    return transformers.LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, vocab_size=31,
+                                    max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def test_load_pretrained_of_a_folder_one_rank_lacks_raises_on_every_rank(ranks2, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(_config(transformers)).save_pretrained(tmp_path / "only-rank0")
+    for rank, (outcome, seconds) in enumerate(ranks2.run(load_job, str(tmp_path), timeout=120)):
+        assert outcome.startswith("ParamFSMError: ") and "rank 1" in outcome and "model.safetensors" in outcome, \
+            (rank, outcome)
+        assert seconds < WITHIN_S, (rank, seconds)
+
+
+def test_a_failing_rank_raises_its_own_error_and_the_others_its_class():
+    from paramfsm.rank_errors import agreed
+
+    with pytest.raises(OffloadError, match="disk full"):
+        with agreed(None, "a step"):
+            raise OffloadError("disk full")
