@@ -19,6 +19,7 @@ took them, and the reference comparison after it finds them.
 
 from __future__ import annotations
 
+import fcntl
 import os
 
 import paramfsm.checkpoint as ck
@@ -85,6 +86,7 @@ def tier_file_shared():
             self.path.unlink()
             self.path = self.folder / f"paramfsm-offload-rank{rank}.bin"  # the bug: no run of its own
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self.fd, fcntl.LOCK_SH)  # owned, as every tier file is (tier_files), by both runs at once
         return __init__
     return patched(tiers.DiskTier, "__init__", make)
 
