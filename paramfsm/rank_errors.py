@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 
 from paramfsm import errors
@@ -26,14 +27,25 @@ from paramfsm.errors import ParamFSMError
 
 
 def agree(group, error: str | None) -> tuple[int, str] | None:
-    """Each rank's error over ``group`` (None: none); the lowest failing rank (global) and its message."""
+    """Each rank's error over ``group`` (None: none); the lowest failing rank (global) and its message.
+
+    One all-reduce of a flag when no rank failed (a run of agreements, one per module of an
+    ``init_weights``, costs little); the messages are all-gathered only when some rank did.
+    """
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    found: list = [error] * world
-    if world > 1:
-        dist.all_gather_object(found, error, group=group)
+    if world == 1:
+        return None if error is None else (dist.get_rank() if dist.is_initialized() else 0, error)
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+              else torch.device("cpu"))
+    flag = torch.tensor([0 if error is None else 1], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag.item()):
+        return None
+    found: list = [None] * world
+    dist.all_gather_object(found, error, group=group)
     for index, message in enumerate(found):
         if message is not None:
-            return (dist.get_global_rank(group, index) if group is not None and world > 1 else index), message
+            return (dist.get_global_rank(group, index) if group is not None else index), message
     return None
 
 

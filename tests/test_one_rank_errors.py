@@ -1,8 +1,8 @@
 """An error one rank meets is raised on every rank within seconds (2 gloo ranks).
 
 Each entry point is made to fail on rank 1 only, as a full disk, an unwritable folder or a missing file fails
-on one machine: ``shard()`` whose offload folder rank 1 cannot create, and ``load_pretrained`` of a folder only
-rank 0 has. Before, rank 1 raised alone and rank 0 went on into its next collective, which waited for the
+on one machine: ``shard()`` whose offload folder rank 1 cannot create, ``load_pretrained`` of a folder only
+rank 0 has, and ``rt.init_weights(fn)`` whose ``fn`` raises on one rank's module. Before, rank 1 raised alone and rank 0 went on into its next collective, which waited for the
 collective timeout (see [Note: an error one rank meets] in ``paramfsm.rank_errors``). The first optimizer step
 whose disk is full on one rank is ``tests/test_offload_full_disk.py``.
 """
@@ -95,6 +95,48 @@ def test_load_pretrained_of_a_folder_one_rank_lacks_raises_on_every_rank(ranks2,
         assert outcome.startswith("ParamFSMError: ") and "rank 1" in outcome and "model.safetensors" in outcome, \
             (rank, outcome)
         assert seconds < WITHIN_S, (rank, seconds)
+
+
+def init_job(rank, world):
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = mlp(width=16, depth=3, d_in=8, d_out=4)
+    rt = paramfsm.shard(model)
+
+    def init(module):
+        if isinstance(module, torch.nn.Linear):
+            if rank == 1 and module is model[2]:
+                raise ValueError("no initialiser for this layer on rank 1")
+            torch.nn.init.normal_(module.weight)
+            torch.nn.init.zeros_(module.bias)
+
+    start = time.monotonic()
+    try:
+        rt.init_weights(init)
+        outcome = "no error"
+    except (ParamFSMError, ValueError) as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - start
+    _next_collective(rank)
+    try:
+        model(torch.ones(2, 8))
+        guarded = "no error"
+    except ParamFSMError as exc:
+        guarded = str(exc)
+    rt.init_weights(lambda m: (torch.nn.init.normal_(m.weight), torch.nn.init.zeros_(m.bias))
+                    if isinstance(m, torch.nn.Linear) else None)
+    trained = model(torch.ones(2, 8)).sum().item()
+    rt.close()
+    return outcome, seconds, guarded, trained
+
+
+def test_init_weights_whose_fn_fails_on_one_rank_raises_on_every_rank(ranks2):
+    for rank, (outcome, seconds, guarded, trained) in enumerate(ranks2.run(init_job, timeout=120)):
+        want = "ValueError: no initialiser" if rank == 1 else "ParamFSMError: rt.init_weights (module '2') failed on rank 1"
+        assert outcome.startswith(want), (rank, outcome)
+        assert seconds < WITHIN_S, (rank, seconds)
+        assert "rt.init_weights failed part-way" in guarded, (rank, guarded)  # a half-initialised model never runs
+        assert trained == trained, "a second init_weights makes the model usable"
 
 
 def test_a_failing_rank_raises_its_own_error_and_the_others_its_class():
