@@ -18,8 +18,11 @@ the block ends, on every rank:
 * under ``param_dtype`` the full tensor is a low-precision compute copy, so
   writing it back would round the shard silently: a change then raises,
   naming :meth:`Runtime.load_full_state_dict` as the way to set full-precision values;
-* an exception inside the block writes nothing back (the ranks may have
-  stopped at different points).
+* an exception inside the block writes nothing back on any rank: the rank
+  that raised takes part in the agreement with every parameter marked as
+  raised, so the other ranks raise too, naming it, instead of waiting for it
+  in the all-gather ([Note: an error one rank meets] in
+  :mod:`paramfsm.rank_errors`).
 
 ``p.grad`` inside the block stays this rank's shard gradient, as outside it
 (see :mod:`paramfsm.engine.storage.partitioned`): zeroing and clamping reach it,
@@ -40,7 +43,7 @@ from paramfsm.engine.effects.lost_writes import acknowledge
 from paramfsm.engine.storage.units import units_within
 from paramfsm.errors import ParamFSMError
 
-UNCHANGED, CHANGED, INVALID = 0, 1, 2
+UNCHANGED, CHANGED, INVALID, RAISED = 0, 1, 2, 3
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -56,7 +59,12 @@ def gathered(rt, modules, writeback: bool = True):
             rt.scheduler.hold(unit)
             held.append(unit)
         before = _snapshot(chosen) if writeback else None
-        yield
+        try:
+            yield
+        except Exception:
+            if writeback:  # the others are about to agree their write-back: they learn of this error there
+                _write_back(rt, before, raised=True)
+            raise
         if writeback:
             _write_back(rt, before)
     finally:
@@ -104,10 +112,14 @@ def fingerprint(tensor: torch.Tensor) -> int:
     return int((bits * weights).sum()) + bits.numel()
 
 
-def _write_back(rt, before: dict) -> None:
-    """Agree the changes across ranks, then write each changed parameter's slice into its shard."""
+def _write_back(rt, before: dict, raised: bool = False) -> None:
+    """Agree the changes across ranks, then write each changed parameter's slice into its shard.
+
+    ``raised``: the block raised on this rank; it takes part in the agreement with every parameter marked
+    RAISED and writes nothing, and every other rank raises, naming it (nothing is written back anywhere).
+    """
     records = list(before)
-    verdicts = [_verdict(rec, before[rec]) for rec in records]
+    verdicts = [(RAISED, 0, "") if raised else _verdict(rec, before[rec]) for rec in records]
     device = records[0].shard.device if records else "cpu"
     codes = torch.tensor([[code, digest] for code, digest, _ in verdicts], dtype=torch.int64,
                          device=device).reshape(-1, 2)
@@ -118,6 +130,14 @@ def _write_back(rt, before: dict) -> None:
         every = torch.stack(rows)  # (world, parameters, 2)
     else:
         every = codes.unsqueeze(0)
+    if raised:
+        return
+    failed = [r for r in range(every.shape[0]) if records and int(every[r, 0, 0]) == RAISED]
+    if failed:
+        raise ParamFSMError(
+            f"rt.gathered(): the block raised on rank {failed[0]} (its own error is raised there), so nothing was "
+            f"written back on any rank (rank {rt.rank} raises too, instead of waiting for it). What to do: fix "
+            "the error on that rank; the parameters hold their values from before the block")
     for i, rec in enumerate(records):
         column = every[:, i]
         if bool((column == column[:1]).all()) and int(column[0, 0]) != INVALID:

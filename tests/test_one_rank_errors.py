@@ -2,7 +2,8 @@
 
 Each entry point is made to fail on rank 1 only, as a full disk, an unwritable folder or a missing file fails
 on one machine: ``shard()`` whose offload folder rank 1 cannot create, ``load_pretrained`` of a folder only
-rank 0 has, and ``rt.init_weights(fn)`` whose ``fn`` raises on one rank's module. Before, rank 1 raised alone and rank 0 went on into its next collective, which waited for the
+rank 0 has, ``rt.init_weights(fn)`` whose ``fn`` raises on one rank's module, and a ``rt.gathered()`` block
+that raises on one rank. Before, rank 1 raised alone and rank 0 went on into its next collective, which waited for the
 collective timeout (see [Note: an error one rank meets] in ``paramfsm.rank_errors``). The first optimizer step
 whose disk is full on one rank is ``tests/test_offload_full_disk.py``.
 """
@@ -137,6 +138,35 @@ def test_init_weights_whose_fn_fails_on_one_rank_raises_on_every_rank(ranks2):
         assert seconds < WITHIN_S, (rank, seconds)
         assert "rt.init_weights failed part-way" in guarded, (rank, guarded)  # a half-initialised model never runs
         assert trained == trained, "a second init_weights makes the model usable"
+
+
+def gathered_job(rank, world):
+    torch.manual_seed(0)
+    model = mlp(width=16, depth=3, d_in=8, d_out=4)
+    rt = paramfsm.shard(model)
+    before = rt.full_state_dict()
+    start = time.monotonic()
+    try:
+        with torch.no_grad(), rt.gathered():
+            model[0].weight.mul_(2.0)  # every rank writes the same, then rank 1 meets an error
+            if rank == 1:
+                raise ValueError("a bad value on rank 1")
+        outcome = "no error"
+    except (ParamFSMError, ValueError) as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - start
+    _next_collective(rank)
+    after = rt.full_state_dict()
+    rt.close()
+    return outcome, seconds, all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_an_error_inside_gathered_on_one_rank_raises_on_every_rank_and_writes_nothing(ranks2):
+    for rank, (outcome, seconds, kept) in enumerate(ranks2.run(gathered_job, timeout=120)):
+        want = "ValueError: a bad value" if rank == 1 else "ParamFSMError: rt.gathered(): the block raised on rank 1"
+        assert outcome.startswith(want), (rank, outcome)
+        assert seconds < WITHIN_S, (rank, seconds)
+        assert kept, f"rank {rank}: a write-back happened after the block raised on a rank"
 
 
 def test_a_failing_rank_raises_its_own_error_and_the_others_its_class():
