@@ -14,6 +14,7 @@ plain model loads; a rank that skips a batch raises ``RankDesync`` on every rank
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 
@@ -63,7 +64,7 @@ def data(accum):
     return torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
 
 
-def script(accelerator, accum, batch_size, *, stop_after=None, resume=None, save=None, skip=None):
+def script(accelerator, accum, batch_size, *, stop_after=None, resume=None, save=None, skip=None, norm_type=2.0):
     """An ordinary Accelerate training loop; returns what the comparison needs."""
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -84,7 +85,7 @@ def script(accelerator, accum, batch_size, *, stop_after=None, resume=None, save
             accelerator.backward(loss)
             losses.append(accelerator.gather_for_metrics(loss.detach()[None]).mean().item())
             if accelerator.sync_gradients:
-                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type=norm_type)))
             opt.step()
             scheduler.step()
             opt.zero_grad()
@@ -95,20 +96,20 @@ def script(accelerator, accum, batch_size, *, stop_after=None, resume=None, save
     return {"losses": losses, "norms": norms, "params": {k: v.clone() for k, v in state.items()}}
 
 
-def sharded_job(rank, world, accum, mixed_precision="no"):
+def sharded_job(rank, world, accum, mixed_precision="no", norm_type=2.0):
     with launched(rank, world):
         accelerator = sharded.Accelerator(cpu=True, gradient_accumulation_steps=accum, mixed_precision=mixed_precision)
-        report = script(accelerator, accum, PER_RANK)
+        report = script(accelerator, accum, PER_RANK, norm_type=norm_type)
         report["reduce_scatters"] = accelerator.runtime.counters["reduce_scatters"]
         accelerator.runtime.close()
     return report
 
 
-def plain_job(rank, world, accum, mixed_precision="no"):
+def plain_job(rank, world, accum, mixed_precision="no", norm_type=2.0):
     with launched(0, 1):
         accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accum,
                                              mixed_precision=mixed_precision)
-        return script(accelerator, accum, PER_RANK * WORLD)
+        return script(accelerator, accum, PER_RANK * WORLD, norm_type=norm_type)
 
 
 def assert_same_run(ours, plain, accum, rel=1e-5, atol=1e-5):
@@ -130,6 +131,15 @@ def test_matches_plain_accelerate_over_the_global_batch(ranks2, ranks1, accum):
     assert other["losses"] == ours["losses"] and other["norms"] == ours["norms"]
     # One reduce-scatter per bucket per optimizer step, whatever the accumulation (the model is one bucket).
     assert ours["reduce_scatters"] == STEPS, ours["reduce_scatters"]
+
+
+@pytest.mark.parametrize("norm_type", [math.inf, 1.0], ids=["inf", "one"])
+def test_clip_grad_norm_of_another_norm_type_matches_plain_accelerate(ranks2, ranks1, norm_type):
+    """``accelerator.clip_grad_norm_(params, max_norm, norm_type=inf)``: the global max-norm over the shards,
+    clipping as plain Accelerate does (a 2-norm there returned 1.27 for 0.66 and clipped by it)."""
+    ours, _ = ranks2.run(sharded_job, 1, "no", norm_type)
+    (plain,) = ranks1.run(plain_job, 1, "no", norm_type)
+    assert_same_run(ours, plain, 1)
 
 
 def test_bf16_autocast_matches_plain_accelerate(ranks2, ranks1):
