@@ -67,10 +67,11 @@ def _new_state_bytes(optimizer, writers) -> dict | None:
     layouts: dict = {}
     for scheduler, records in writers:
         units = scheduler.offload_plan.optimizer_units
+        wanted = set(records)
         for unit in scheduler.units:
             pager = units.get(unit.name)
             for rec in unit.records:
-                if rec not in records or optimizer.state.get(rec.shard) or id(rec.shard) not in group_of:
+                if rec not in wanted or optimizer.state.get(rec.shard) or id(rec.shard) not in group_of:
                     continue
                 if rec.shard.grad is None:  # torch steps (and gives state to) parameters with a gradient only
                     continue
