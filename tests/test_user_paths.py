@@ -32,6 +32,12 @@ def _model():
     return mlp(width=16, depth=4, d_in=8, d_out=4)
 
 
+def _assert_same(full, plain, rank):
+    for key, want in plain.items():
+        torch.testing.assert_close(full[key], want, atol=1e-6, rtol=1e-5,
+                                   msg=lambda message, key=key: f"rank {rank}: {key}: {message}")
+
+
 def _batch(step, world, rank):
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(50 + step)).chunk(max(world, 1))[rank]
 
@@ -79,8 +85,7 @@ def test_a_unit_step_that_raises_under_offload_leaves_every_parameter_in_the_gro
     _, plain = raising_unit_job(0, 0, None)
     for rank, (refused, full) in enumerate(ranks2.run(raising_unit_job, str(tmp_path))):
         assert refused is not None and "non-finite" in refused[0] and refused[1], (rank, refused)
-        for key, want in plain.items():
-            torch.testing.assert_close(full[key], want, atol=1e-6, rtol=1e-5, msg=f"rank {rank}: {key}")
+        _assert_same(full, plain, rank)
 
 
 def closure_job(rank, world):
@@ -169,5 +174,4 @@ def offload_write_job(rank, world, folder, offload):
 def test_writes_inside_gathered_under_offload_reach_the_shards(ranks2, tmp_path, offload):
     plain = offload_write_job(0, 0, None, None)
     for rank, full in enumerate(ranks2.run(offload_write_job, str(tmp_path), offload)):
-        for key, want in plain.items():
-            torch.testing.assert_close(full[key], want, atol=1e-6, rtol=1e-5, msg=f"rank {rank}: {key}")
+        _assert_same(full, plain, rank)
