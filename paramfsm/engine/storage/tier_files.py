@@ -14,8 +14,10 @@ opens its own, and ``paramfsm offload clean PATH`` does the same on demand.
 
 A file is created under a hidden temporary name, locked, and only then
 renamed to its final name, so a cleaner never finds a final name unlocked
-while its owner lives. A temporary left by a crash between the two steps is
-ownerless and empty, and is removed the same way.
+while its owner lives. Between its creation and its lock a temporary is
+unlocked, so a cleaner takes only temporaries older than
+:data:`TEMPORARY_AGE_S` (a crash left them; they are empty): one younger
+may be another rank's, a moment from its lock.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
+import time
 from pathlib import Path
 
 PREFIX = "paramfsm-offload-"
 SUFFIX = ".bin"
+#: A temporary (created, not yet locked and renamed) younger than this may belong to a live owner.
+TEMPORARY_AGE_S = 60.0
 
 
 def create(folder: Path, rank: int) -> tuple[Path, int]:
@@ -53,8 +58,10 @@ def remove_ownerless(folder: Path) -> list[tuple[Path, int]]:
     A file another live process holds is left alone, as is anything that is not an offload file.
     """
     try:
-        candidates = sorted([*folder.glob(f"{PREFIX}*{SUFFIX}"), *folder.glob(f".{PREFIX}*{SUFFIX}.new")])
-    except OSError:
+        now = time.time()
+        temporaries = [p for p in folder.glob(f".{PREFIX}*{SUFFIX}.new") if now - p.stat().st_mtime > TEMPORARY_AGE_S]
+        candidates = sorted([*folder.glob(f"{PREFIX}*{SUFFIX}"), *temporaries])
+    except OSError:  # the folder, or a temporary, went meanwhile: the next tier tries again
         return []
     removed = []
     for path in candidates:
