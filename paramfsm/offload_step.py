@@ -32,6 +32,7 @@ global pre-hook registered after paramfsm's runs after the units stepped.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import OrderedDict
 
@@ -175,6 +176,32 @@ def _restore(optimizer, args, kwargs) -> None:
         pre_hooks.update(optimizer._optimizer_step_pre_hooks)  # any registered during the step
         optimizer._optimizer_step_pre_hooks.clear()
         optimizer._optimizer_step_pre_hooks.update(pre_hooks)
+
+
+def within_step(optimizer) -> bool:
+    """Whether this pre-hook call is a parent class's ``step`` reached through ``super().step()`` inside the
+    step the user called, after paramfsm stepped the units (see [Note: a parent's step inside the user's]).
+
+    [Note: a parent's step inside the user's]
+    torch wraps an optimizer class's ``step`` with its hooks when the first
+    instance of that class is built. A subclass whose ``step`` calls
+    ``super().step()`` (a check before the update, a logging wrapper) then
+    runs the parent's wrapper too, once any instance of the parent exists in
+    the process, and the global pre-hooks run again inside the user's step.
+    paramfsm's pre-hook had already stepped every unit and emptied the groups
+    for the rest of the call; taken for a new step, the nested call put the
+    groups back and stepped every unit a second time, silently (a test
+    passed alone and failed after any test that built a plain SGD). The call
+    is told apart by the function torch's wrapper is running: the user's step
+    is the optimizer's own class's; any other is a parent's, inside it, and
+    passes through (over the emptied groups it steps nothing).
+    """
+    if optimizer not in _EMPTIED:
+        return False
+    frame = sys._getframe(2)  # this function's caller is the pre-hook; the pre-hook's, torch's hook wrapper
+    running = frame.f_locals.get("func") if frame is not None else None
+    own = type(optimizer).step
+    return running is not None and running is not getattr(own, "__wrapped__", own)
 
 
 def restore_if_left(optimizer) -> None:

@@ -193,6 +193,8 @@ def shards():
 def _before_step(optimizer, args, kwargs):
     if offload_step.inner():  # one unit's step inside an offloaded step (paramfsm.offload_step)
         return None
+    if offload_step.within_step(optimizer):  # a parent's step through super(), inside the user's
+        return None
     offload_step.restore_if_left(optimizer)
     writers = _map(optimizer)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer

@@ -9,6 +9,8 @@
 * A module attached after ``shard()`` whose parameters sit in its children (``nn.Sequential(nn.Linear(...))``)
   is refused with ``ModelChanged`` at the next forward, like a bare ``Linear``.
 * A write inside ``rt.gathered()`` under offload reaches the offloaded shards, as without offload.
+* A subclass whose ``step`` calls ``super().step()`` steps once per call, under offload and as a
+  whole-parameter optimizer, also once torch wrapped the parent's ``step`` (any instance of it was built).
 """
 
 from __future__ import annotations
@@ -85,6 +87,41 @@ def test_a_unit_step_that_raises_under_offload_leaves_every_parameter_in_the_gro
     _, plain = raising_unit_job(0, 0, None)
     for rank, (refused, full) in enumerate(ranks2.run(raising_unit_job, str(tmp_path))):
         assert refused is not None and "non-finite" in refused[0] and refused[1], (rank, refused)
+        _assert_same(full, plain, rank)
+
+
+class LoggedAdafactor(torch.optim.Adafactor):
+    """A whole-parameter optimizer whose step wraps its parent's through ``super()`` (a logging wrapper)."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def parent_built_first_job(rank, world, kind):
+    """A plain instance of the parent class exists first (torch then wraps the parent's step with its hooks),
+    then the subclass trains three steps: under an offloaded optimizer, or whole-parameter (Adafactor)."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    torch.optim.Adafactor([torch.zeros(2, 2, requires_grad=True)])
+    model = _model()
+    offload = paramfsm.Offload(optimizer="cpu") if kind == "offload" else None
+    rt = paramfsm.shard(model, offload=offload) if world else None
+    opt = (CheckedSGD(model.parameters(), lr=0.1, momentum=0.9) if kind == "offload"
+           else LoggedAdafactor(model.parameters(), lr=0.01))
+    for step in range(3):
+        model(_batch(step, world, rank)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    full = rt.full_state_dict() if rt is not None else model.state_dict()
+    if rt is not None:
+        rt.close()
+    return {k: v.clone() for k, v in full.items()}
+
+
+@pytest.mark.parametrize("kind", ["offload", "whole"])
+def test_a_subclass_stepping_through_super_steps_once(ranks2, kind):
+    """[Note: a parent's step inside the user's] (paramfsm.offload_step): every unit was stepped twice."""
+    plain = parent_built_first_job(0, 0, kind)
+    for rank, full in enumerate(ranks2.run(parent_built_first_job, kind)):
         _assert_same(full, plain, rank)
 
 
