@@ -66,7 +66,7 @@ def _patchable():
             gathered._write_back, _methods(Residency), _methods(Pager), optim._after_closure,
             _methods(GradPaging), dict(vars(DiskTier)), checkpoint.sharded_state_dict, members.install, holds.watch,
             residency._LEAVING, offload_step._step_only, optim.is_elementwise, grad_norm._owners,
-            lost_writes.checked, assembly.compute_dtypes, partitioned.TracingContext)
+            lost_writes.checked, assembly.compute_dtypes, partitioned.TracingContext, offload_step.within_step)
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))

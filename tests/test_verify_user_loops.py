@@ -93,9 +93,9 @@ def test_a_step_makes_only_its_parts_graphs_stale():
 def test_the_user_loop_ops_are_canonical():
     held = {type(op) for program in canonical(probe(GAN))[USER_LOOPS.start:] for op in program.ops}
     assert set(USER_LOOP_OPS) <= held, set(USER_LOOP_OPS) - held
-    assert len(CANONICAL) == 27 and any(isinstance(op, RankLoss) for op in canonical(probe(GAN))[18].ops)
+    assert len(CANONICAL) == 28 and any(isinstance(op, RankLoss) for op in canonical(probe(GAN))[18].ops)
     configs = {program.config for program in canonical(probe(GAN))[22:]}  # paramfsm #53's
-    assert {c.optimizer for c in configs} == {"adafactor", "subject"} and any(c.refused_shard for c in configs)
+    assert {c.optimizer for c in configs} == {"adafactor", "subclass", "subject"} and any(c.refused_shard for c in configs)
     assert any(c.offload == "cpu-bounded" and not c.zero_grad_to_none and c.step_hooks for c in configs)
     programs_ = canonical(probe(GAN))[USER_LOOPS]
     kinds = [type(op).__name__ for op in programs_[0].ops]

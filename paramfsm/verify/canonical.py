@@ -133,6 +133,10 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
     (Config(compiled=True), (("iteration", 0, 0, False), ("forward", 0, 1, False),
                                                      ("backward", 0, 1, False), ("evaluate", 1, 2, False),
                                                      ("step", 0, 0, False), ("iteration", 0, 3, False))),
+    # An optimizer subclass whose step calls super().step() (its parent's step wrapped by torch's hooks too),
+    # under an offloaded optimizer: three iterations, each step once.
+    (Config(offload="cpu", optimizer="subclass"), (("iteration", 0, 0, False), ("iteration", 1, 1, False),
+                                                   ("iteration", 2, 2, False))),
     # A shard() refused for its offload bound first, then training under offload with a step pre-hook.
     (Config(offload="cpu", step_hooks=True, refused_shard=True), (("iteration", 0, 0, False),
                                                                   ("iteration", 1, 1, False))),

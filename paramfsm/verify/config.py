@@ -50,9 +50,10 @@ class Config:
     #: ``units``: how the model is cut into units (see :data:`UNIT_CHOICES`); ``"default"`` is what the user's
     #: own ``shard()`` call does with the subject's ``units`` and ``min_unit_bytes``.
     units: str = "default"
-    #: ``optimizer``: ``"subject"`` (the subject's own) or ``"adafactor"`` (``torch.optim.Adafactor``, whose update
-    #: reads each parameter's shape: paramfsm steps it on whole parameters); see
-    #: :func:`paramfsm.verify.user_loops.make_optimizer`.
+    #: ``optimizer``: ``"subject"`` (the subject's own), ``"adafactor"`` (``torch.optim.Adafactor``, whose update
+    #: reads each parameter's shape: paramfsm steps it on whole parameters), or ``"subclass"`` (the subject's,
+    #: through a subclass whose ``step`` calls ``super().step()``, with both classes' steps wrapped by torch's
+    #: hooks; canonical only); see :func:`paramfsm.verify.user_loops.make_optimizer`.
     optimizer: str = "subject"
     #: ``step_hooks``: each optimizer carries a step pre-hook that decays its learning rate (a schedule kept in
     #: a hook), which must run once per ``step()`` (:func:`paramfsm.verify.user_loops.decay_lr`).

@@ -27,6 +27,8 @@ import dataclasses
 import torch
 from torch import nn
 
+import paramfsm.optim
+
 #: The in-place op a SubForward with ``view=True`` applies to a view of the unit's output.
 VIEW_OFFSET = 0.5
 #: ``GatheredWrite.variant`` -> the write: 0 ``p.mul_(0.5)``, 1 ``p.add_(0.01)``.
@@ -208,10 +210,32 @@ def write_in_forward(model: nn.Module):
 
 
 def make_optimizer(subject, config):
-    """The optimizer factory of a program: the subject's, or Adafactor (``Config.optimizer``)."""
+    """The optimizer factory of a program: the subject's, Adafactor, or the subject's through a subclass
+    (``Config.optimizer``)."""
     if config.optimizer == "adafactor":
         return lambda params: torch.optim.Adafactor(params, lr=0.01)
+    if config.optimizer == "subclass":
+        return lambda params: through_super(subject.optimizer(params))
     return subject.optimizer
+
+
+_SUBCLASSES: dict = {}
+
+
+def through_super(built):
+    """The optimizer ``built`` as an instance of a subclass whose ``step`` calls its parent's through
+    ``super()`` (a check or a log around the update), built after ``built``: torch has then wrapped both
+    classes' ``step`` with its hooks, and the parent's runs inside the subclass's. The subclass is declared
+    element-wise (``paramfsm.optim.elementwise``), as a user of such a wrapper declares it."""
+    parent = type(built)
+    cls = _SUBCLASSES.get(parent)
+    if cls is None:
+        class Wrapped(parent):
+            def step(self, closure=None):
+                return super().step(closure)
+        Wrapped.__name__ = Wrapped.__qualname__ = f"Wrapped{parent.__name__}"
+        cls = _SUBCLASSES[parent] = paramfsm.optim.elementwise(Wrapped)
+    return cls(built.param_groups, **built.defaults)
 
 
 def decay_lr(optimizer, args, kwargs) -> None:

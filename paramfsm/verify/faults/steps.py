@@ -5,12 +5,13 @@ Each function returns a context manager that patches paramfsm for the duration o
 FSDP2's and DeepSpeed's own tests: a gradient zeroed in place in a bounded resident set read back from its
 tier, an offloaded step running the optimizer's hooks once per unit, a shape-dependent optimizer stepped on
 flat shards, torch's own clipping over shards clipping each rank by its partial norm, and a write inside
-forward dropped at the release. (A refused ``shard()`` that leaves the parameters cut is caught by the saved
+forward dropped at the release; and a subclass's ``super().step()`` stepping every unit a second time. (A refused ``shard()`` that leaves the parameters cut is caught by the saved
 reproduction ``tests/reproductions/refused_shard_then_training.py`` and ``tests/test_atomic_refusals.py``: the
 broken model fails at setup, where a catalogue entry's reproduction cannot name the check.) ``paramfsm verify``
 kills them through the canonical programs of #53
 (``Config(optimizer="adafactor", clip_plain=True)``, ``Config(offload="cpu-bounded", zero_grad_to_none=False,
-step_hooks=True)`` and ``Config(offload="cpu", step_hooks=True, refused_shard=True)``).
+step_hooks=True)``, ``Config(offload="cpu", step_hooks=True, refused_shard=True)`` and ``Config(offload="cpu",
+optimizer="subclass")``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def plain_clip_partial():
     return patched(grad_norm, "_owners", lambda original: lambda: {})  # no tensor is seen as a shard gradient
 
 
+def parent_step_restores():
+    """A parent class's step reached through ``super().step()`` inside the user's step is taken for a new step:
+    it puts the emptied groups back and steps every unit again."""
+    return patched(offload_step, "within_step", lambda original: lambda optimizer: False)
+
+
 #: The entries, as the fields of :class:`~paramfsm.verify.faults.catalogue.Fault` (name, bug, source, kind,
 #: inject).
 STEPS = (
@@ -88,4 +95,9 @@ STEPS = (
      "torch.nn.utils.clip_grad_norm_ over the shards clips each rank by its own partial norm",
      "paramfsm #53, item 5 (5.87 and 5.39 against a true norm of 7.97; Lightning routes around the same trap)",
      "correctness", plain_clip_partial),
+    ("parent_step_restores",
+     "an optimizer subclass's super().step(), wrapped by torch's hooks, re-enters the offloaded step",
+     "paramfsm, found by tests/test_user_paths.py, which passed alone and failed after any test that built a "
+     "plain SGD (torch wraps a class's step with its hooks when its first instance is built)",
+     "correctness", parent_step_restores),
 )
