@@ -13,7 +13,8 @@ Usage (also ``python -m paramfsm``)::
 Each command group is added by a ``register(subparsers)`` function, and every
 leaf command stores its handler as ``func``; a handler takes the parsed
 arguments and returns the exit status. Optional groups live in their own
-modules and provide ``add_parser(subparsers)`` (``paramfsm.verify.command`` for
+modules and provide ``add_parser(subparsers)`` (``paramfsm.offload_command`` for ``paramfsm offload``,
+``paramfsm.verify.command`` for
 ``paramfsm verify``); they are imported only when the command line names
 them. ``paramfsm --help`` lists them from :data:`OPTIONAL_HELP` without
 importing them, so neither ``--help`` nor ``spec`` nor ``trace`` imports torch
@@ -46,9 +47,10 @@ log = logging.getLogger(__name__)
 
 PROG = "paramfsm"
 #: Modules that add a command group with ``add_parser(subparsers)`` when they exist.
-OPTIONAL_COMMANDS = {"verify": "paramfsm.verify.command"}
+OPTIONAL_COMMANDS = {"verify": "paramfsm.verify.command", "offload": "paramfsm.offload_command"}
 #: The one-line help ``paramfsm --help`` shows for an optional group it has not imported.
-OPTIONAL_HELP = {"verify": "check generated training loops on local ranks against plain torch"}
+OPTIONAL_HELP = {"verify": "check generated training loops on local ranks against plain torch",
+                 "offload": "remove the offload files runs that ended left behind"}
 #: Exit status when stdout is closed before the output is written (128 + SIGPIPE, as the shell reports it).
 CLOSED_PIPE = 141
 
@@ -273,36 +275,7 @@ def _input_file(text: str) -> Path:
     return path
 
 
-# ------------------------------------------------------------------------ offload
-
-
-def register_offload(subparsers) -> None:
-    """``paramfsm offload clean``."""
-    group = subparsers.add_parser("offload", help="remove the offload files runs that ended left behind")
-    commands = group.add_subparsers(dest="offload_command", required=True, metavar="COMMAND")
-    clean = commands.add_parser(
-        "clean", help="remove the offload files in PATH whose run has ended (a live run's are kept)")
-    clean.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="a paramfsm.Offload(path=...) folder")
-    clean.set_defaults(func=_offload_clean)
-
-
-def _offload_clean(args) -> int:
-    from paramfsm.engine.storage import tier_files  # no torch: a plain file scan
-
-    missing = [str(path) for path in args.paths if not path.is_dir()]
-    if missing:
-        raise CommandError(f"not a folder: {', '.join(missing)}", status=2)
-    total = 0
-    for path in args.paths:
-        for file, size in tier_files.remove_ownerless(path):
-            print(f"removed {file} ({size} bytes)")
-            total += size
-    print(f"{total} bytes freed")
-    return 0
-
-
-BUILTIN_COMMANDS: dict[str, Callable] = {"spec": register_spec, "trace": register_trace,
-                                         "offload": register_offload}
+BUILTIN_COMMANDS: dict[str, Callable] = {"spec": register_spec, "trace": register_trace}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
