@@ -67,7 +67,7 @@ class Config:
     #: one unit), on the same model (:func:`paramfsm.verify.loop_helpers.refused_shard`).
     refused_shard: bool = False
     #: ``compiled``: after ``shard()``, each block's forward is ``torch.compile(..., backend="aot_eager")``d, the
-    #: README's recipe (:func:`paramfsm.verify.loop_helpers.compile_blocks`); an eval segment between a backward
+    #: README's recipe (:func:`paramfsm.verify.compiled_blocks.compile_blocks`); an eval segment between a backward
     #: and its step then recompiles them while the parameters hold gradients.
     compiled: bool = False
 

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import math
 import tempfile
-import threading
 import weakref
 from pathlib import Path
 
@@ -260,38 +259,6 @@ def default_blocks(model: nn.Module) -> tuple[str, ...]:
         if isinstance(module, nn.ModuleList) and len(module):
             return tuple(f"{name}.{child}" if name else child for child, _ in module.named_children())
     return ()
-
-
-def compile_blocks(model: nn.Module, names) -> None:
-    """Compile each named block's forward, as the README recommends after ``shard()`` (``Config.compiled``).
-
-    ``names``: the subject's blocks (:func:`default_blocks`); a model without blocks compiles each child that
-    holds parameters. Dynamo's caches are reset first, so a program compiles from scratch whatever ran before it
-    in the process. ``aot_eager`` traces forward and backward as inductor does, without generating code.
-
-    Donated buffers are turned off: with them, a compiled backward refuses ``retain_graph=True`` ("compiled
-    with non-empty donated buffers"), which verify's programs draw everywhere and its eager reference runs.
-    """
-    torch._dynamo.reset()
-    torch._functorch.config.donated_buffer = False
-    _thread_lock_for_progress_bars()
-    modules = [model.get_submodule(name) for name in names] or [
-        child for child in model.children() if next(child.parameters(), None) is not None]
-    for module in modules:
-        module.forward = torch.compile(module.forward, backend="aot_eager")
-
-
-def _thread_lock_for_progress_bars() -> None:
-    """Give the progress bar class of torch's FX interpreter a thread lock before it builds its default one.
-
-    That class is tqdm's when tqdm is installed (``torch.hub.tqdm``), whose default lock holds a multiprocessing
-    semaphore. A rank process of verify's pool is ended by its parent, so that semaphore is never released, and
-    the parent's resource tracker printed a "leaked semaphore" warning under a passing run. Progress bars
-    within one rank process need no lock between processes. torch's own fallback class has no lock to set.
-    """
-    set_lock = getattr(torch.fx.interpreter.tqdm, "set_lock", None)
-    if set_lock is not None:
-        set_lock(threading.RLock())
 
 
 class _Reentrant(nn.Module):

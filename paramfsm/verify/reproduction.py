@@ -68,8 +68,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
                      | {"reentrant_blocks" for op in program.ops if getattr(op, "mode", "") == "reentrant"}
                      | {"forget_recoveries" for op in program.ops if isinstance(op, Interrupted)}
                      | ({"another_run", "offload_policy"} if tiered else set())
-                     | ({"refused_shard"} if program.config.refused_shard else set())
-                     | ({"compile_blocks"} if program.config.compiled else set()))
+                     | ({"refused_shard"} if program.config.refused_shard else set()))
     scaled = program.config.scaled
     quoted = message.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
     ranks = str(world) if world else "WORLD"
@@ -101,6 +100,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         "from paramfsm.verify.reproduction import run_reproduction",
         f"from paramfsm.verify.subject import {'for_sharding, initialise, ' if meta else ''}load_subject",
         *([f"from paramfsm.verify.loop_helpers import {', '.join(helpers)}"] if helpers else []),
+        *(["from paramfsm.verify.compiled_blocks import compile_blocks"] if program.config.compiled else []),
         *([f"from paramfsm.verify.user_loops import {', '.join(loops)}"] if loops else []),
         "",
         *([f"sys.path.insert(0, {path!r})  # where `paramfsm verify` imported the factory's module from"]

@@ -84,9 +84,10 @@ from paramfsm.verify.ops import (
     GradSync, Interrupted, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore,
     Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
+from paramfsm.verify.compiled_blocks import compile_blocks
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
-    SCALER, another_run, compile_blocks, compute_dtype, refused_shard, force_overflow, load_plain_dcp, offload_policy, perturbed, reentrant_blocks,
+    SCALER, another_run, compute_dtype, refused_shard, force_overflow, load_plain_dcp, offload_policy, perturbed, reentrant_blocks,
     forget_recoveries, quiet_recoveries, reshard_policy, unit_arguments,
 )
 

@@ -17,7 +17,7 @@ from paramfsm.verify.checker import Checker
 from paramfsm.verify.programs import Backward, Config, Drop, Evaluate, Forward, Loss, Step, ZeroGrad
 from paramfsm.verify.reproduction import run_reproduction
 from paramfsm.verify.subject import load_subject
-from paramfsm.verify.loop_helpers import compile_blocks
+from paramfsm.verify.compiled_blocks import compile_blocks
 from paramfsm.verify.user_loops import optimizers
 
 FAULT = None  # the catalogued bug the verify run injected (paramfsm.verify.faults), if any
