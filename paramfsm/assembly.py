@@ -38,7 +38,7 @@ from paramfsm.engine.storage.units import build_units, select_unit_modules
 from paramfsm.engine.storage.unsupported import refuse_transforms, refuse_unsupported
 from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
 from paramfsm.offload import plan as offload_plan
-from paramfsm.rank_errors import agreed
+from paramfsm.rank_errors import agreed, groups_of
 
 RETAIN_POLICIES = ("defer", "regather")
 # Weak registries (they never keep a model alive): sharded models, and each partitioned
@@ -187,7 +187,7 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
     rt.mesh, rt.replicate_group = mesh, replicate_group
     rt.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
     if rt.world > 1 or rt.replicas > 1:
-        rank_agreement.agree(model, [rt.group] + ([replicate_group] if replicate_group is not None else []), device,
+        rank_agreement.agree(model, groups_of(rt), device,
                              sync_module_states=sync_module_states)
     trace_rank = dist.get_rank() if mesh is not None else rt.rank
     rt.table = compile_table(load_spec(spec)) if spec is not None else default_table()
@@ -220,8 +220,8 @@ def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trac
                  default_units.describe(rt.units))
     rt.offload = None
     try:  # a tier's folder or disk can fail on one rank only ([Note: an error one rank meets])
-        groups = [rt.group] + ([replicate_group] if replicate_group is not None else [])
-        with agreed(groups, "paramfsm.shard's offload setting") if offload is not None else contextlib.nullcontext():
+        with agreed(groups_of(rt), "paramfsm.shard's offload setting") if offload is not None \
+                else contextlib.nullcontext():
             rt.offload = offload_plan(rt, offload)
     except BaseException:
         if rt.offload is not None:  # built here, refused on another rank

@@ -48,7 +48,7 @@ from paramfsm import full_state, meta
 from paramfsm.core.spec import State
 from paramfsm.engine.storage import placeholder
 from paramfsm.errors import NotGathered, ParamFSMError
-from paramfsm.rank_errors import agreed
+from paramfsm.rank_errors import agreed, groups_of
 
 
 def init_weights(rt, fn=None) -> None:
@@ -74,7 +74,7 @@ def init_weights(rt, fn=None) -> None:
     written = set(rt._by_id) if rt._values.unset is None else set()
     complete: dict[int, bool] = {}
     with meta.setting_values(rt, "rt.init_weights"), torch.no_grad():
-        groups = [rt.group] + ([rt.replicate_group] if rt.replicate_group is not None else [])
+        groups = groups_of(rt)
         for module in calls:  # a fn can fail on one rank's module only ([Note: an error one rank meets])
             with agreed(groups, f"rt.init_weights (module '{names[id(module)]}')"):
                 _init_module(rt, module, names[id(module)], run, written, complete)

@@ -155,12 +155,10 @@ def _step_only(optimizer, saved, ids: set) -> None:
     """Step ``optimizer`` over the parameters in ``ids`` alone, running no step hook."""
     for group, params in zip(optimizer.param_groups, saved):
         group["params"] = [p for p in params if id(p) in ids]
-    step = type(optimizer).step
-    if getattr(step, "hooked", False):  # torch's hook-running wrapper (Optimizer._patch_step_function)
-        step = step.__wrapped__
+    step = step_space.bare_step(optimizer)
     _inner[0] = True
     try:
-        step(optimizer)
+        step()
     finally:
         _inner[0] = False
 

@@ -49,6 +49,11 @@ def agree(group, error: str | None) -> tuple[int, str] | None:
     return None
 
 
+def groups_of(rt) -> list:
+    """The process groups a runtime's ranks span: its shard group, and a hybrid mesh's replicate group."""
+    return [rt.group] + ([rt.replicate_group] if rt.replicate_group is not None else [])
+
+
 @contextlib.contextmanager
 def agreed(groups, what: str) -> Iterator[None]:
     """Run the block (which makes no collective call) on every rank; if it raises on any rank, every rank raises.

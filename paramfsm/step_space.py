@@ -32,12 +32,12 @@ import logging
 import torch
 
 from paramfsm import rank_errors
+from paramfsm.engine.storage.tiers import ALIGN
 from paramfsm.errors import OffloadError
 
 logger = logging.getLogger(__name__)
 
 _PROBE = 2  # elements of the probe parameter: a state of its size scales with the parameter
-_ALIGN = 4096  # a disk tier's slot alignment (paramfsm.engine.storage.tiers.ALIGN)
 
 
 def reserve_new_state(optimizer, writers) -> None:
@@ -92,7 +92,7 @@ def _bytes(layout, numel: int) -> int:
     """A parameter's state bytes in a disk tier: each tensor its own aligned slot."""
     total = 0
     for scales, size, element in layout:
-        total += -(-((numel if scales else size) * element) // _ALIGN) * _ALIGN
+        total += -(-((numel if scales else size) * element) // ALIGN) * ALIGN
     return total
 
 
@@ -103,14 +103,21 @@ def _layout(optimizer, group_index: int, dtype, device):
     probe_param.grad = torch.zeros_like(probe_param)
     try:
         probe = type(optimizer)([{"params": [probe_param], **options}])
-        step = type(probe).step
-        step = getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
-        step(probe)
+        bare_step(probe)()
     except Exception as exc:  # noqa: BLE001 - an optimizer we cannot probe is stepped without the reservation
         logger.debug("cannot probe %s for its state layout: %s", type(optimizer).__name__, exc)
         return None
     return [(t.numel() == _PROBE, t.numel(), t.element_size())
             for t in probe.state[probe_param].values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+
+def bare_step(optimizer):
+    """``optimizer``'s own step function, bound, without torch's hook-running wrapper
+    (``Optimizer._patch_step_function``): no step hook runs."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step.__get__(optimizer)
 
 
 def _agree(group, error: str | None) -> None:

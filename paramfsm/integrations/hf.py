@@ -27,7 +27,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from paramfsm import checkpoint, meta, optim
 from paramfsm.errors import ParamFSMError
-from paramfsm.rank_errors import agreed
+from paramfsm.rank_errors import agreed, groups_of
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ def load_pretrained(rt, directory) -> None:
     or every file of ``model.safetensors.index.json``; every key, shape and byte
     range is checked against the headers and the files' sizes before any value
     is written, so a bad checkpoint raises on every rank alike; a file only one
-    rank cannot read raises on every rank too (one all-gather of the outcome
-    at the end, the load's only collective). A checkpoint
+    rank cannot read raises on every rank too (the outcome is agreed at the
+    end, the load's only collective: one flag all-reduce). A checkpoint
     of another dtype than the model's is converted as ``from_pretrained``
     converts it (``tensor.to(dtype)``). A tied parameter
     is loaded from the one key the file keeps. The keys must be the model's own
@@ -92,8 +92,7 @@ def load_pretrained(rt, directory) -> None:
     from paramfsm.integrations import safetensors_slices
 
     directory = os.fspath(directory)
-    groups = [rt.group] + ([rt.replicate_group] if rt.replicate_group is not None else [])
-    with agreed(groups, "load_pretrained"):  # a file one rank cannot read ([Note: an error one rank meets])
+    with agreed(groups_of(rt), "load_pretrained"):  # a file one rank cannot read ([Note: an error one rank meets])
         single, index = os.path.join(directory, SAFE_WEIGHTS_NAME), os.path.join(directory, SAFE_WEIGHTS_INDEX_NAME)
         if os.path.isfile(single):
             files = [single]
