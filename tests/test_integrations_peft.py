@@ -148,3 +148,31 @@ def test_save_adapter_of_a_model_without_adapters_names_what_to_do(ranks1):
     (message,) = ranks1.run(not_peft_job)
     assert "LlamaForCausalLM is not a PEFT model" in message and "get_peft_model" in message, message
     assert "rank 0" in message
+
+
+def failed_write_job(rank, world, folder):
+    import time
+
+    model = lora_model()
+    rt = paramfsm.shard(model)
+    target = os.path.join(folder, "a-file-not-a-folder")
+    if rank == 0:
+        open(target, "w").close()  # rank 0, the writer, cannot make its folder there
+    torch.distributed.barrier()
+    start = time.monotonic()
+    try:
+        sharded_peft.save_adapter(rt, target)
+        outcome = "no error"
+    except Exception as exc:  # noqa: BLE001 - rank 0 raises PEFT's own error, the others ParamFSMError
+        outcome = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - start
+    rt.close()
+    return outcome, seconds
+
+
+def test_a_save_adapter_that_fails_on_the_writer_raises_on_every_rank(ranks2, tmp_path):
+    """Rank 0 writes alone; its failure used to leave the other ranks in the barrier after it."""
+    (writer, writer_s), (other, other_s) = ranks2.run(failed_write_job, str(tmp_path), timeout=120)
+    assert writer != "no error" and "ParamFSMError" not in writer.split(":")[0], writer
+    assert other.startswith("ParamFSMError: save_adapter to ") and "failed on rank 0" in other, other
+    assert max(writer_s, other_s) < 30

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from paramfsm.errors import ParamFSMError
+from paramfsm.rank_errors import agreed
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def save_adapter(rt, directory, **kwargs) -> None:
     with PEFT's own ``save_pretrained(directory, state_dict=..., **kwargs)``
     (``selected_adapters=``, ``safe_serialization=`` and the rest pass
     through); then every rank waits for the files, so any rank can read them
-    once this returns. ``state_dict=``: the tensors to save instead of the
+    once this returns, and a write that fails on rank 0 raises on every rank. ``state_dict=``: the tensors to save instead of the
     trainable parameters, on rank 0 (``rt.full_state_dict(rank0_only=True)``,
     called on every rank, for an adapter that also saves buffers).
     """
@@ -92,11 +93,11 @@ def save_adapter(rt, directory, **kwargs) -> None:
     state_dict = given if given is not None else trainable_state_dict(rt, rank0_only=True)
     wrappers = _listing_wrappers(rt.model)
     with rt.gathered(*wrappers, writeback=False) if wrappers else contextlib.nullcontext():
-        if _global_rank(rt) == 0:
-            logger.info("writing %d adapter tensors to %s", len(state_dict), directory)
-            save(os.fspath(directory), state_dict=state_dict, **kwargs)
-    if dist.is_initialized():
-        dist.barrier()
+        # Every rank waits for rank 0's files, and raises with it when it fails ([Note: an error one rank meets]).
+        with agreed(None, f"save_adapter to '{directory}'"):
+            if _global_rank(rt) == 0:
+                logger.info("writing %d adapter tensors to %s", len(state_dict), directory)
+                save(os.fspath(directory), state_dict=state_dict, **kwargs)
 
 
 def _listing_wrappers(model) -> list:
