@@ -52,6 +52,7 @@ from paramfsm.engine.effects import kernels, rankcheck
 from paramfsm.engine.effects.collectives import all_gather_flat, coalesced
 from paramfsm.engine.effects.gathers import BACKWARD_END
 from paramfsm.errors import ParamFSMError
+from paramfsm.rank_errors import agreed, groups_of
 
 PARAMETER, GRADIENT = "parameter", "gradient"
 #: The all-reduces of :func:`all_reduce`, in the order of their tag indices after the full tensors'.
@@ -158,20 +159,60 @@ def full_state_dict(rt, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     keep = not rank0_only or (dist.get_rank() if rt.mesh is not None else rt.rank) == 0  # hybrid: global rank 0
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor | None] = {}  # id(parameter or buffer) -> its full tensor (None: not kept)
+    failed: list[Exception] = []  # this rank's first error of its own (a page-in, a copy to the CPU)
     for key, value in rt.model.state_dict(keep_vars=True).items():
         if id(value) not in done:
             rec = rt._by_id.get(id(value))
+            full = None
             if rec is not None:
-                with rt.scheduler.shard_scope((rec,), write=False):  # [Note: streaming through the tier]
-                    full = gather(rt, rec, rec.shard, PARAMETER, keep=keep)
-            else:
-                full = value.detach().clone() if keep else None
+                full = _full_parameter(rt, rec, keep and not failed, failed)
+            elif keep and not failed:
+                full = _local(failed, lambda: value.detach().clone())
             if full is not None and rank0_only:
-                full = full.to("cpu")
+                full = _local(failed, lambda: full.to("cpu"))
             done[id(value)] = full
         if keep:
             out[key] = done[id(value)]
+    with agreed(groups_of(rt), "rt.full_state_dict()"):  # [Note: a full state dict one rank cannot read]
+        if failed:
+            raise failed[0]
     return out
+
+
+def _local(failed: list, make):
+    """``make()``, or None with its error appended to ``failed`` (this rank's own failure, agreed later)."""
+    try:
+        return make()
+    except Exception as exc:  # noqa: BLE001 - kept, agreed over the ranks, then raised on every rank
+        failed.append(exc)
+        return None
+
+
+def _full_parameter(rt, rec, keep: bool, failed: list) -> torch.Tensor | None:
+    """``rec``'s full value (None unless ``keep``); this rank joins the gather even when its shard
+    cannot be read, with zeros in its place (see [Note: a full state dict one rank cannot read]).
+
+    [Note: a full state dict one rank cannot read]
+    An offloaded shard is paged in for its gather (see [Note: streaming through the tier]), and a
+    page-in, or rank 0's copy of a full tensor to the CPU, can fail on one rank only (its disk, its
+    memory). That rank does not leave the gathers: the peers would wait in the next one for
+    ``collective_timeout``. It sends zeros for every shard it could not read, keeps nothing more, and
+    after the last gather the ranks agree the outcome (:func:`paramfsm.rank_errors.agreed`): every
+    rank raises, and none returns a state dict with a stand-in in it. Errors of the gathers
+    themselves (RankDesync, CollectiveTimeout) are the ranks' together and are raised at once.
+    """
+    scope = rt.scheduler.shard_scope((rec,), write=False)  # [Note: streaming through the tier]
+    try:
+        scope.__enter__()
+    except Exception as exc:  # noqa: BLE001 - this rank's page-in: agreed after the last gather
+        failed.append(exc)
+        gather(rt, rec, torch.zeros(rec.shard_numel, dtype=rec.shard.dtype, device=rec.shard.device),
+               PARAMETER, keep=False)
+        return None
+    try:
+        return gather(rt, rec, rec.shard, PARAMETER, keep=keep)
+    finally:
+        scope.__exit__(None, None, None)
 
 
 def load_full_state_dict(rt, state_dict) -> None:

@@ -1,7 +1,8 @@
 """An error one rank meets is raised on every rank within seconds (2 gloo ranks).
 
 Each entry point is made to fail on rank 1 only, as a full disk, an unwritable folder or a missing file fails
-on one machine: ``shard()`` whose offload folder rank 1 cannot create, ``load_pretrained`` of a folder only
+on one machine: ``shard()`` whose offload folder rank 1 cannot create, ``rt.full_state_dict()`` whose page-in of one offloaded shard fails on
+rank 1, ``load_pretrained`` of a folder only
 rank 0 has, ``rt.init_weights(fn)`` whose ``fn`` raises on one rank's module, and a ``rt.gathered()`` block
 that raises on one rank. Before, rank 1 raised alone and rank 0 went on into its next collective, which waited for the
 collective timeout (see [Note: an error one rank meets] in ``paramfsm.rank_errors``). The first optimizer step
@@ -167,6 +168,44 @@ def test_an_error_inside_gathered_on_one_rank_raises_on_every_rank_and_writes_no
         assert outcome.startswith(want), (rank, outcome)
         assert seconds < WITHIN_S, (rank, seconds)
         assert kept, f"rank {rank}: a write-back happened after the block raised on a rank"
+
+
+def full_state_job(rank, world, folder, rank0_only):
+    from paramfsm.engine.storage import tiers
+
+    torch.manual_seed(0)
+    model = mlp(width=16, depth=3, d_in=8, d_out=4)
+    rt = paramfsm.shard(model, offload=paramfsm.Offload(params="disk", path=os.path.join(folder, f"rank{rank}")))
+    read = tiers.DiskTier.read
+
+    def failing_read(self, slot, out, owner):
+        if owner == "2.weight":
+            raise self._io_error(owner, "read", slot.nbytes, OSError(5, "Input/output error"))
+        return read(self, slot, out, owner)
+
+    if rank == 1:
+        tiers.DiskTier.read = failing_read  # rank 1's disk cannot give back one shard
+    start = time.monotonic()
+    try:
+        rt.full_state_dict(rank0_only=rank0_only)
+        outcome = "no error"
+    except ParamFSMError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        tiers.DiskTier.read = read
+    seconds = time.monotonic() - start
+    _next_collective(rank)
+    return outcome, seconds
+
+
+@pytest.mark.parametrize("rank0_only", [False, True])
+def test_full_state_dict_whose_page_in_fails_on_one_rank_raises_on_every_rank(ranks2, tmp_path, rank0_only):
+    for rank, (outcome, seconds) in enumerate(ranks2.run(full_state_job, str(tmp_path), rank0_only, timeout=120)):
+        want = "OffloadError: could not read" if rank == 1 else \
+            "OffloadError: rt.full_state_dict() failed on rank 1"
+        assert outcome.startswith(want), (rank, outcome)
+        assert "'2.weight'" in outcome, (rank, outcome)
+        assert seconds < WITHIN_S, (rank, seconds)
 
 
 def test_a_failing_rank_raises_its_own_error_and_the_others_its_class():
