@@ -32,11 +32,12 @@ global pre-hook registered after paramfsm's runs after the units stepped.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections import OrderedDict
 
-from paramfsm import step_space, whole_params
+from paramfsm import rank_errors, step_space, whole_params
 from paramfsm.errors import OffloadError
 from paramfsm.offload import optimizer_placement
 
@@ -74,16 +75,17 @@ def step_by_unit(optimizer, writers, args, kwargs, runtimes=None) -> None:
     saved = [group["params"] for group in groups]
     stepped: set[int] = set()
     try:
-        for i, (scheduler, records) in enumerate(writers):
-            if runtimes is not None:
-                whole_params.step_runtime(optimizer, runtimes[i], records, saved, stepped, _step_only)
-            else:
-                _step_runtime(optimizer, scheduler, records, saved, stepped)
-        rest = {id(p) for params in saved for p in params if id(p) not in stepped}
-        if rest:
-            _step_only(optimizer, saved, rest)
-        for scheduler, _ in writers if runtimes is None else ():
-            scheduler.offload_plan.residency.end_step()
+        with _agreed(writers if runtimes is None else ()):  # [Note: a later step one rank cannot finish]
+            for i, (scheduler, records) in enumerate(writers):
+                if runtimes is not None:
+                    whole_params.step_runtime(optimizer, runtimes[i], records, saved, stepped, _step_only)
+                else:
+                    _step_runtime(optimizer, scheduler, records, saved, stepped)
+            rest = {id(p) for params in saved for p in params if id(p) not in stepped}
+            if rest:
+                _step_only(optimizer, saved, rest)
+            for scheduler, _ in writers if runtimes is None else ():
+                scheduler.offload_plan.residency.end_step()
     except BaseException:
         for group, params in zip(groups, saved):
             group["params"] = params
@@ -94,6 +96,33 @@ def step_by_unit(optimizer, writers, args, kwargs, runtimes=None) -> None:
     _EMPTIED[optimizer] = (saved, OrderedDict(hooks))
     hooks.clear()
     _restore_first(optimizer)
+
+
+def _agreed(writers):
+    """The unit-by-unit step's outcome agreed over the process groups of the offloaded runtimes in ``writers``.
+
+    [Note: a later step one rank cannot finish]
+    The first offloaded step reserves its disk space before any unit steps, so a full disk changes nothing
+    (:mod:`paramfsm.step_space`). A later step can still fail on one rank: a page-in or a write-back that
+    its disk refuses (an I/O error), or the optimizer's own step raising on that rank's values. Raised there
+    alone, the other ranks would finish their step and wait in the next forward's gather for
+    ``collective_timeout``. So the loop over the units, which makes no collective call, ends with one
+    agreement (a one-element all-reduce per offloaded step, beside a step that pages every unit through its
+    tier), and every rank raises. The failed rank stopped part-way while the others stepped every unit, so
+    the ranks' parameters now differ: the message says to load the last checkpoint.
+    """
+    groups: list = []  # None: the default group
+    for scheduler, _ in offloading(writers):
+        ex = scheduler.executor
+        for group in (ex.group,) + ((ex.replicate_group,) if ex.replicate_group is not None else ()):
+            if all(group is not g for g in groups):
+                groups.append(group)
+    if not groups:
+        return contextlib.nullcontext()
+    return rank_errors.agreed(groups, "the offloaded optimizer step",
+                              "The ranks that finished the step stepped every unit and the failed rank did not, "
+                              "so the parameters now differ between ranks. What to do: fix the cause, then "
+                              "load the last checkpoint (paramfsm.checkpoint.load) before training on.")
 
 
 def _own_pre_hooks(optimizer, args, kwargs) -> tuple:

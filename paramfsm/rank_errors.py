@@ -55,12 +55,13 @@ def groups_of(rt) -> list:
 
 
 @contextlib.contextmanager
-def agreed(groups, what: str) -> Iterator[None]:
+def agreed(groups, what: str, after: str = "") -> Iterator[None]:
     """Run the block (which makes no collective call) on every rank; if it raises on any rank, every rank raises.
 
     ``groups``: a process group, or several (a hybrid mesh's shard and replicate groups), agreed in turn. The
     failing rank raises its own exception; every other rank raises the same paramfsm error class (a
     :class:`~paramfsm.errors.ParamFSMError` for any other exception) naming ``what``, the rank and its message.
+    ``after``: what the failure left behind and what to do, told on every rank (a note on the failing rank's own).
     """
     own, error = None, None
     try:
@@ -74,8 +75,10 @@ def agreed(groups, what: str) -> Iterator[None]:
         found = agree(group, error)
         error = found[1] if found is not None else error
     if own is not None:
+        if after:
+            own.add_note(f"paramfsm: {after}")
         raise own
     if error is not None:
         kind, rank, text = error.split("\n", 2)
         cls = getattr(errors, kind, ParamFSMError)
-        raise cls(f"{what} failed on rank {rank}, so every rank stops here: {text}")
+        raise cls(f"{what} failed on rank {rank}, so every rank stops here: {text}" + (f" {after}" if after else ""))

@@ -208,6 +208,49 @@ def test_full_state_dict_whose_page_in_fails_on_one_rank_raises_on_every_rank(ra
         assert seconds < WITHIN_S, (rank, seconds)
 
 
+def later_step_job(rank, world, folder):
+    from paramfsm.engine.storage import tiers
+
+    torch.manual_seed(0)
+    model = mlp(width=16, depth=3, d_in=8, d_out=4)
+    rt = paramfsm.shard(model, offload=paramfsm.Offload(optimizer="disk", path=os.path.join(folder, f"rank{rank}")))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    write = tiers.DiskTier.write
+
+    def failing_write(self, slot, tensor, version, owner):
+        if owner == "2.weight":
+            raise self._io_error(owner, "write", slot.nbytes, OSError(5, "Input/output error"))
+        return write(self, slot, tensor, version, owner)
+
+    outcomes = []
+    for step in range(2):
+        model(torch.ones(2, 8)).sum().backward()
+        if rank == 1 and step == 1:
+            tiers.DiskTier.write = failing_write  # rank 1's disk fails in its second step, after the first
+        start = time.monotonic()
+        try:
+            opt.step()
+            outcomes.append(("no error", 0.0))
+        except ParamFSMError as exc:
+            outcomes.append((f"{type(exc).__name__}: {exc}\n{getattr(exc, '__notes__', [])}", time.monotonic() - start))
+        finally:
+            tiers.DiskTier.write = write
+        opt.zero_grad()
+    _next_collective(rank)
+    return outcomes
+
+
+def test_a_later_offloaded_step_that_fails_on_one_rank_raises_on_every_rank(ranks2, tmp_path):
+    for rank, outcomes in enumerate(ranks2.run(later_step_job, str(tmp_path), timeout=120)):
+        assert outcomes[0] == ("no error", 0.0), (rank, outcomes)
+        outcome, seconds = outcomes[1]
+        want = "OffloadError: could not write" if rank == 1 else \
+            "OffloadError: the offloaded optimizer step failed on rank 1"
+        assert outcome.startswith(want), (rank, outcome)
+        assert "'2.weight'" in outcome and "load the last checkpoint" in outcome, (rank, outcome)
+        assert seconds < WITHIN_S, (rank, seconds)
+
+
 def test_a_failing_rank_raises_its_own_error_and_the_others_its_class():
     from paramfsm.rank_errors import agreed
 
