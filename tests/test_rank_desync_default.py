@@ -287,3 +287,42 @@ def test_a_rank_that_skips_a_step_but_clips_raises_rank_desync_on_every_rank(ran
         assert "ranks [0, 1]" in message and "unit '<all-reduce of the gradient norm>'" in message, message
         assert "unit 'body'" in message, message  # rank 0's side: the first gather of its step
         assert total == 3.0
+
+
+class SmallAndLargeHead(nn.Module):
+    """A body and two heads: ``small`` is gathered in one exchange, ``large``'s weight (64 KiB, gathered in
+    place) in one of its own beside the packed rest, two exchanges."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.small = nn.Linear(16, 4)
+        self.large = nn.Linear(16, 1024)
+
+    def forward(self, x, head: str):
+        return getattr(self, head)(torch.tanh(self.body(x)))
+
+
+def uneven_exchanges_job(rank, world):
+    """Rank 1's forward runs the large head where rank 0's runs the small one, so the refused gathers took
+    one exchange tag on rank 0 and two on rank 1 (case 7 of the issue on tests that catch what users hit)."""
+    torch.manual_seed(0)
+    model = SmallAndLargeHead()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rt = paramfsm.shard(model, units=[model.body, model.small, model.large], collective_timeout=20)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    caught = None
+    try:
+        model(x, "large" if rank == 1 else "small").pow(2).mean().backward()
+    except RankDesync as exc:
+        caught = _caught(exc)
+    return caught, _in_step_again(rank, world, rt, model, initial)
+
+
+def test_after_a_desync_whose_ranks_took_different_numbers_of_exchanges_the_runtime_recovers(ranks2):
+    """The ranks' exchange tag counters restart at the same tag after the refusal: ``rt.reset(); rt.close()``
+    then gathers in step (not a CollectiveTimeout), and a new runtime trains like plain torch."""
+    for rank, (caught, after) in enumerate(ranks2.run(uneven_exchanges_job, timeout=120)):
+        assert caught is not None and caught["type"] == "RankDesync", (rank, caught)
+        assert "unit 'small'" in caught["message"] and "unit 'large'" in caught["message"], caught
+        assert after == {"closed_untouched": True, "all_reduce": 3.0}, (rank, after)
