@@ -88,9 +88,11 @@ class Watch:
 
 def watch(model: nn.Module, records, rank: int) -> Watch:
     """Start watching ``model`` (at ``shard()``); returns the watch, checked at every root forward."""
-    if not _registration_hooks:
-        _registration_hooks.append(register_module_parameter_registration_hook(_on_parameter))
-        _registration_hooks.append(register_module_module_registration_hook(_on_module))
+    if not _registration_hooks:  # the hooks look their functions up at each call, as any patch expects
+        _registration_hooks.append(register_module_parameter_registration_hook(
+            lambda module, name, param: _on_parameter(module, name, param)))
+        _registration_hooks.append(register_module_module_registration_hook(
+            lambda module, name, submodule: _on_module(module, name, submodule)))
     found = Watch(model, records, rank)
     for module in model.modules():
         _WATCHED[module] = found

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from paramfsm import amp, assembly, checkpoint, full_state, gathered, grad_norm, offload_step, optim
+from paramfsm import amp, assembly, checkpoint, full_state, gathered, grad_norm, model_changes, offload_step, optim
 from paramfsm.checkpoint import layout as checkpoint_layout
 from paramfsm.core import replay
 from paramfsm.core.trace import Trace
@@ -66,7 +66,8 @@ def _patchable():
             gathered._write_back, _methods(Residency), _methods(Pager), optim._after_closure,
             _methods(GradPaging), dict(vars(DiskTier)), checkpoint.sharded_state_dict, members.install, holds.watch,
             residency._LEAVING, offload_step._step_only, optim.is_elementwise, grad_norm._owners,
-            lost_writes.checked, assembly.compute_dtypes, partitioned.TracingContext, offload_step.within_step)
+            lost_writes.checked, assembly.compute_dtypes, partitioned.TracingContext, offload_step.within_step,
+            gathered.fingerprint, model_changes._on_module)
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))

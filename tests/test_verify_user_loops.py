@@ -20,7 +20,8 @@ from paramfsm.verify.engine import probe
 from paramfsm.verify.frequencies import frequencies
 from paramfsm.verify.mirror import Mirror
 from paramfsm.verify.ops import (
-    USER_LOOP_OPS, Backward, Config, Evaluate, Forward, Loss, PartStep, Program, RankLoss, Restore, Save, SubForward,
+    RANK_WRITE, USER_LOOP_OPS, Attach, Backward, Config, Evaluate, Forward, GatheredWrite, Loss, PartStep, Program, RankLoss,
+    Restore, Save, SubForward,
 )
 from paramfsm.verify.programs import CANONICAL, canonical, normalise, programs
 from paramfsm.verify.reproduction import render, run_saved
@@ -93,10 +94,13 @@ def test_a_step_makes_only_its_parts_graphs_stale():
 def test_the_user_loop_ops_are_canonical():
     held = {type(op) for program in canonical(probe(GAN))[USER_LOOPS.start:] for op in program.ops}
     assert set(USER_LOOP_OPS) <= held, set(USER_LOOP_OPS) - held
-    assert len(CANONICAL) == 28 and any(isinstance(op, RankLoss) for op in canonical(probe(GAN))[18].ops)
+    assert len(CANONICAL) == 30 and any(isinstance(op, RankLoss) for op in canonical(probe(GAN))[18].ops)
     configs = {program.config for program in canonical(probe(GAN))[22:]}  # paramfsm #53's
     assert {c.optimizer for c in configs} == {"adafactor", "subclass", "subject"} and any(c.refused_shard for c in configs)
     assert any(c.offload == "cpu-bounded" and not c.zero_grad_to_none and c.step_hooks for c in configs)
+    refusals = [op for program in canonical(probe(GAN))[28:] for op in program.ops]  # paramfsm #57's
+    assert any(isinstance(op, GatheredWrite) and op.variant == RANK_WRITE for op in refusals)
+    assert any(isinstance(op, Attach) for op in refusals)
     programs_ = canonical(probe(GAN))[USER_LOOPS]
     kinds = [type(op).__name__ for op in programs_[0].ops]
     retained, step = programs_[0].ops.index(Backward(0, True, False)), kinds.index("Step")

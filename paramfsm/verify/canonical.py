@@ -140,4 +140,10 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
     # A shard() refused for its offload bound first, then training under offload with a step pre-hook.
     (Config(offload="cpu", step_hooks=True, refused_shard=True), (("iteration", 0, 0, False),
                                                                   ("iteration", 1, 1, False))),
+    # paramfsm #57, cases 8 and 9. A write inside rt.gathered that differs by rank, in the first element only:
+    # refused on every rank, nothing written back.
+    (Config(), (("iteration", 0, 0, False), ("rank_write", 0, 0, False))),
+    # A module whose parameters sit in its child, attached to the root after shard(): the next forward raises
+    # ModelChanged on every rank.
+    (Config(), (("iteration", 0, 0, False), ("attach", 0, 1, False))),
 )

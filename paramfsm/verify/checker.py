@@ -166,9 +166,9 @@ class Checker:
         problems = rank_loss.judge(self.group, exc, failure is not None)
         if problems is None:
             self.rt.reset()  # every rank issued the collectives still in flight
-            rank_loss.forget_dumps(exc)
+            rank_loss.forget_dumps(exc, self.rt)
             self._stop()
-            raise rank_loss.Desynced(str(exc), self.index, type(exc).__name__ == "WriteToGathered") from None
+            raise rank_loss.Desynced(str(exc), self.index, rank_loss.refusal(exc, self._op)) from None
         return failure or Failed("desync", problems)
 
     def _stop(self) -> None:

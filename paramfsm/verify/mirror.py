@@ -67,7 +67,7 @@ from torch.utils._pytree import tree_map
 
 from paramfsm.verify import user_loops
 from paramfsm.verify.ops import (
-    PENALTY_WEIGHT, TREE_VARIANTS, WRITE_MODE, Backward, Clip, ClosureStep, Config, Drop, Evaluate, Forward, FullState, Gathered,
+    PENALTY_WEIGHT, RANK_WRITE, TREE_VARIANTS, WRITE_MODE, Backward, Clip, ClosureStep, Config, Drop, Evaluate, Forward, FullState, Gathered,
     GatheredWrite, Interrupted, Loss, Overflow, PartStep, PartZeroGrad, Penalty, RankLoss, RequiresGrad, Restore, Save, Step,
     SubForward, Unscale, ZeroGrad,
 )
@@ -313,7 +313,7 @@ class Mirror:
                 for inner in op.inner:
                     self.apply(inner, slices)
             self.opts[0].step(closure)
-        elif isinstance(op, GatheredWrite):
+        elif isinstance(op, GatheredWrite) and op.variant != RANK_WRITE:  # that one has no plain-torch meaning
             with torch.no_grad():
                 user_loops.write(self.model.get_parameter(op.param), op.variant)
         elif isinstance(op, Evaluate):

@@ -23,6 +23,8 @@ GRAD_MODES = frozenset({"train", "eval", "checkpoint", "reentrant", "write"})
 #: naming the parameter and ``rt.gathered(writeback=True)``, the accepted outcome, which stops the program.
 #: Drawn by the ``write_in_forward`` intent, not among :data:`MODES`.
 WRITE_MODE = "write"
+#: The :class:`GatheredWrite` variant that writes a different value on each rank (refused on every rank).
+RANK_WRITE = 2
 LOSS_VARIANTS = 3  # 0: the subject's loss_fn, 1: mean square of the output, 2: mean tanh of the output
 #: Loss variants of a submodule's output (:class:`SubForward`), whatever container holds its tensors: 3, the
 #: sum of the mean squares of its floating-point tensors; 4, the sum of their mean tanh.
@@ -228,11 +230,27 @@ class PartZeroGrad:
 class GatheredWrite:
     """``with torch.no_grad(), rt.gathered(module): model.get_parameter(param).mul_(0.5)`` (``variant`` 1:
     ``.add_(0.01)``); every unit when ``module`` is None. The write must reach the shards, as the same write
-    on a plain model changes its parameter."""
+    on a plain model changes its parameter.
+
+    ``variant`` :data:`RANK_WRITE`: the parameter's first element plus ``0.01 * (rank + 1)``, a different
+    value on each rank. paramfsm must refuse it on every rank, naming the parameter, with nothing written
+    back (the accepted outcome, which stops the program); plain torch has no ranks to compare.
+    """
 
     module: str | None
     param: str
     variant: int
+
+
+@attrs.frozen(slots=True)
+class Attach:
+    """Between iterations, a module whose parameters sit in its child (``nn.Sequential(nn.Linear(2, 2))``) is
+    attached to ``module`` ("" the root) after ``shard()``, then ``model(x)`` of ``batch`` under
+    ``torch.no_grad()``. paramfsm must raise ``ModelChanged`` on every rank, naming the new parameter and the
+    fix (the accepted outcome, which stops the program): trained on, each rank's copy would drift apart."""
+
+    module: str
+    batch: int
 
 
 @attrs.frozen(slots=True)
@@ -304,7 +322,7 @@ USER_LOOP_OPS = (SubForward, PartStep, PartZeroGrad, GatheredWrite, Evaluate, Sa
 
 Op = (Forward | Interrupted | Loss | Backward | Penalty | Drop | ZeroGrad | Step | Flush | Gathered | Unscale | Overflow | Clip
       | FullState | Checkpoint | RequiresGrad | NoSync | GradSync | SyncGradients | SubForward | PartStep
-      | PartZeroGrad | GatheredWrite | Evaluate | Save | Restore | RankLoss | ClosureStep)
+      | PartZeroGrad | GatheredWrite | Attach | Evaluate | Save | Restore | RankLoss | ClosureStep)
 
 
 @attrs.frozen(slots=True)

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from paramfsm.errors import RankDesync
-from paramfsm.verify.ops import WRITE_MODE
+from paramfsm.verify.ops import RANK_WRITE, WRITE_MODE, Attach, GatheredWrite
+from paramfsm.verify.user_loops import ATTACHED
 
 #: What a RankDesync's "What to do:" must offer: a unit that encloses the branch (``units=[Net]``), or step
 #: numbers that tell a skipped step from a taken one (``rt.set_step(step)``).
@@ -43,24 +44,43 @@ _DUMP = re.compile(r"last transitions are in (\S+\.jsonl)")
 
 class Desynced(Exception):
     """Every rank raised ``RankDesync`` at op ``op``, after a RankLoss, naming a unit and the fix: the
-    accepted outcome of a loss that reads another output per rank (or ``WriteToGathered`` at a write inside
-    forward: the accepted refusal). The program stops there."""
+    accepted outcome of a loss that reads another output per rank. Or every rank refused what it had to
+    refuse (:func:`refusal`): the accepted outcome of a write inside forward, a write that differs by rank
+    inside ``rt.gathered``, a module attached after ``shard()``. The program stops there."""
 
-    def __init__(self, message: str, op: int, refused_write: bool = False):
+    def __init__(self, message: str, op: int, refused: str = ""):
         self.message, self.op = message, op
-        why = ("WriteToGathered at op {op} (accepted: paramfsm refuses a write to a gathered parameter inside "
-               "forward)" if refused_write else "RankDesync at op {op} (accepted: the ranks' backward passes "
-               "reached different units)").format(op=op)
-        super().__init__(f"every rank raised {why}: {message}")
+        why = refused or "RankDesync at op {op} (accepted: the ranks' backward passes reached different units)"
+        super().__init__(f"every rank raised {why.format(op=op)}: {message}")
+
+
+#: The refusals verify accepts: (exception class name, the op it answers, what the report says of it).
+_REFUSALS = (
+    ("WriteToGathered", lambda op: getattr(op, "mode", None) == WRITE_MODE,
+     "WriteToGathered at op {op} (accepted: paramfsm refuses a write to a gathered parameter inside forward)"),
+    ("ParamFSMError", lambda op: isinstance(op, GatheredWrite) and op.variant == RANK_WRITE,
+     "ParamFSMError at op {op} (accepted: paramfsm refuses a write inside rt.gathered that differs by rank)"),
+    ("ModelChanged", lambda op: isinstance(op, Attach),
+     "ModelChanged at op {op} (accepted: paramfsm refuses a module attached after shard())"),
+)
+
+
+def refusal(exc: BaseException | None, op) -> str:
+    """What the report says of ``exc`` when it is the accepted refusal of ``op`` (else ""). Known by class
+    name: verify also runs against engines that predate a class."""
+    for name, answers, why in _REFUSALS:
+        if exc is not None and type(exc).__name__ == name and answers(op):
+            return why
+    return ""
 
 
 def accepted(exc: BaseException | None, after_rank_loss: bool, op=None) -> bool:
-    """Whether ``exc``, raised inside an op, is a ``RankDesync`` that a RankLoss earlier in the program allows,
-    or the ``WriteToGathered`` that refuses a write inside forward (a Forward in :data:`WRITE_MODE`: the same
-    judgement, every rank raising it naming the parameter and the fix)."""
-    if _refused_write(exc):
-        return getattr(op, "mode", None) == WRITE_MODE
-    return after_rank_loss and isinstance(exc, RankDesync)
+    """Whether ``exc``, raised inside ``op``, is a ``RankDesync`` that a RankLoss earlier in the program allows,
+    or the accepted refusal of ``op`` (:func:`refusal`: every rank raising it, naming the parameter and the
+    fix, is judged alike)."""
+    if refusal(exc, op):
+        return True
+    return after_rank_loss and isinstance(exc, RankDesync) and not _refused_write(exc)
 
 
 def _refused_write(exc) -> bool:
@@ -70,15 +90,19 @@ def _refused_write(exc) -> bool:
 
 def problems(exc) -> list[str]:
     """What is missing from a ``RankDesync``'s message: the unit it names, the fix it offers (for a
-    ``WriteToGathered``: the parameter and ``rt.gathered(writeback=True)``)."""
+    refusal: the parameter, and for a ``WriteToGathered`` ``rt.gathered(writeback=True)``, after "What to do:")."""
     message = str(exc)
+    fix = message.partition("What to do:")[2]
     if _refused_write(exc):
-        ok = f"'{exc.param}'" in message and "rt.gathered(" in message.partition("What to do:")[2]
+        ok = f"'{exc.param}'" in message and "rt.gathered(" in fix
         return [] if ok else [f"WriteToGathered names no parameter or no fix: {message}"]
+    if not isinstance(exc, RankDesync):  # a write that differs by rank, a module attached after shard()
+        ok = ("parameter '" in message or f"'{ATTACHED}." in message or f".{ATTACHED}." in message) and bool(fix)
+        return [] if ok else [f"{type(exc).__name__} names no parameter or no fix: {message}"]
     found = []
     if not exc.unit or f"unit '{exc.unit}'" not in message:
         found.append(f"RankDesync names no unit (unit={exc.unit!r}): {message}")
-    if not any(fix in message.partition("What to do:")[2] for fix in FIXES):
+    if not any(fix_ in fix for fix_ in FIXES):
         found.append(f"RankDesync offers no fix (none of {', '.join(FIXES)} after 'What to do:'): {message}")
     return found
 
@@ -101,10 +125,14 @@ def judge(group, exc: BaseException | None, failed: bool) -> list[str] | None:
     return ["another rank raised RankDesync at this op; this rank ran on without it (every rank must raise it)"]
 
 
-def forget_dumps(exc: BaseException) -> None:
-    """Remove the flight-recorder dumps named in the notes of an accepted ``RankDesync``."""
-    for note in getattr(exc, "__notes__", ()):
-        for path in _DUMP.findall(note):
-            if os.path.basename(path).startswith("paramfsm-trace-"):
-                with contextlib.suppress(OSError):
-                    os.remove(path)
+def forget_dumps(exc: BaseException, rt) -> None:
+    """Remove the flight-recorder dumps of an accepted outcome: those named in the notes of ``exc``, and every
+    dump ``rt`` wrote (the accepted outcome ends the program, so no report names one: a forward refused for a
+    module attached after ``shard()`` dumps without a note, and so does the reset after it)."""
+    named = [path for note in getattr(exc, "__notes__", ()) for path in _DUMP.findall(note)]
+    dumps = getattr(getattr(rt, "flight", None), "dumps", [])
+    for path in named + [str(path) for path in dumps]:
+        if os.path.basename(path).startswith("paramfsm-trace-"):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+    dumps.clear()

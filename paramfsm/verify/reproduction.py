@@ -27,7 +27,7 @@ import attrs
 
 from paramfsm.engine.storage.default_units import MIN_UNIT_BYTES
 from paramfsm.verify.ops import (
-    BY_SIZE_BYTES, PENALTY_WEIGHT, TREE_VARIANTS, WRITE_MODE, Backward, Checkpoint, Clip, ClosureStep, Drop, Evaluate, Flush, Forward,
+    BY_SIZE_BYTES, PENALTY_WEIGHT, RANK_WRITE, TREE_VARIANTS, WRITE_MODE, Attach, Backward, Checkpoint, Clip, ClosureStep, Drop, Evaluate, Flush, Forward,
     FullState, Gathered, GatheredWrite, GradSync, Interrupted, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program,
     RankLoss, RequiresGrad, Restore, Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
@@ -59,6 +59,8 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
                       or isinstance(op, RankLoss)}
                    | {"interrupt" for op in program.ops if isinstance(op, Interrupted)}
                    | {"write_in_forward" for op in program.ops if getattr(op, "mode", "") == WRITE_MODE}
+                   | {name for op in program.ops if _refused(op) for name in ("not_refused",) + (
+                       ("attach",) if isinstance(op, Attach) else ())}
                    | {"optimizers"})
     inner = [i for op in program.ops if isinstance(op, ClosureStep) for i in op.inner]
     used = sorted({type(op).__name__ for op in (*program.ops, *inner)} | {"Config"})
@@ -210,6 +212,11 @@ class _Script:
         return f"for o in opts: {line.replace('opt', 'o')}" if self.parts else line
 
 
+def _refused(op) -> bool:
+    """Whether ``op`` must be refused on every rank (its script line after the op says so if it is not)."""
+    return isinstance(op, Attach) or isinstance(op, GatheredWrite) and op.variant == RANK_WRITE
+
+
 def _render_op(op, seen: set[int], config, script: _Script) -> list[str]:
     if isinstance(op, Forward):
         call = f"model(x{op.batch})"
@@ -327,9 +334,15 @@ def _render_user_loop_op(op, seen: set[int], script: _Script) -> list[str]:
         return [f"opts[{op.part}].zero_grad()  # subject.parts[{op.part}] only"]
     if isinstance(op, GatheredWrite):
         target = f"model.get_submodule({op.module!r})" if op.module else ""
-        return [f"with torch.no_grad(), rt.gathered({target}):",
-                f"    model.get_parameter({op.param!r}).{WRITES[op.variant]}",
-                f"    check.inside_gathered({target})"]
+        lines = [f"with torch.no_grad(), rt.gathered({target}):",
+                 f"    model.get_parameter({op.param!r}).{WRITES[op.variant]}"]
+        if op.variant == RANK_WRITE:  # every rank must raise at the block's end (accepted): the program stops
+            return lines + [f"not_refused({op!r})"]
+        return lines + [f"    check.inside_gathered({target})"]
+    if isinstance(op, Attach):  # every rank must raise ModelChanged at the forward (accepted): the program stops
+        return _batch_line(op.batch, seen) + [
+            f"attach(model, {op.module!r})  # a module whose parameters sit in its child, after shard()",
+            "with torch.no_grad():", f"    model(x{op.batch})", f"not_refused({op!r})"]
     if isinstance(op, Evaluate):
         pre = [line for batch in op.batches for line in _batch_line(batch, seen)]
         mode = "torch.inference_mode()" if op.inference else "torch.no_grad()"

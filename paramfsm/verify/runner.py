@@ -73,16 +73,14 @@ import torch.distributed as dist
 import paramfsm
 import paramfsm.amp
 import paramfsm.checkpoint
-from paramfsm.verify import faults
+from paramfsm.verify import faults, user_loops
 from paramfsm.verify.checker import Checker, Failed, Rejected, agree
 from paramfsm.verify.mirror import loss_of, penalised
-from paramfsm.verify import user_loops
 from paramfsm.verify.rank_loss import Desynced
 from paramfsm.verify.ops import (
-    WRITE_MODE,
-    Backward, Checkpoint, Clip, ClosureStep, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite,
-    GradSync, Interrupted, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore,
-    Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
+    RANK_WRITE, WRITE_MODE, Attach, Backward, Checkpoint, Clip, ClosureStep, Drop, Evaluate, Flush, Forward, FullState,
+    Gathered, GatheredWrite, GradSync, Interrupted, Loss, NoSync, Overflow, PartStep, PartZeroGrad, Penalty, Program,
+    RankLoss, RequiresGrad, Restore, Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.compiled_blocks import compile_blocks
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
@@ -296,8 +294,13 @@ class Run:
         elif isinstance(op, GatheredWrite):
             modules = (model.get_submodule(op.module),) if op.module else ()
             with torch.no_grad(), rt.gathered(*modules):
-                user_loops.write(model.get_parameter(op.param), op.variant)
-                self.check.inside_gathered(*modules)
+                user_loops.write(model.get_parameter(op.param), op.variant, self.rank)
+                if op.variant != RANK_WRITE:  # refused at the block's end on every rank, or not_refused
+                    self.check.inside_gathered(*modules)
+            if op.variant == RANK_WRITE:
+                user_loops.not_refused(op)
+        elif isinstance(op, Attach):  # ModelChanged on every rank (accepted), or not_refused
+            user_loops.attach_and_run(model, op, self._inputs(op.batch))
         elif isinstance(op, Evaluate):
             model.eval()
             with torch.inference_mode() if op.inference else torch.no_grad():

@@ -40,7 +40,7 @@ import torch
 
 from paramfsm.verify import user_loops
 from paramfsm.verify.ops import (
-    AUTO_MODES, BATCHES, TREE_VARIANTS, WRITE_MODE, ClosureStep, Evaluate, GatheredWrite, NoSync, PartStep, PartZeroGrad, RankLoss,
+    AUTO_MODES, BATCHES, RANK_WRITE, TREE_VARIANTS, WRITE_MODE, Attach, ClosureStep, Evaluate, GatheredWrite, NoSync, PartStep, PartZeroGrad, RankLoss,
     Restore, Save, SubForward,
 )
 
@@ -49,9 +49,10 @@ USER_LOOP_KINDS = ("sub_forward", "part", "gan", "gathered_write", "evaluate", "
                    "gathered_write", "gathered_write",  # writes are drawn in fp32 programs only
                    "rank_loss", "closure_step", "closure_step",
                    "save_restore")  # a restore needs a save and a step before it: drawn twice
-#: Intent kinds the canonical programs use that are not drawn: a write inside forward stops the program (the
-#: accepted refusal), so drawn among the others it would cut most programs short.
-CANONICAL_KINDS = ("write_in_forward",)
+#: Intent kinds the canonical programs use that are not drawn: a write inside forward, a write inside
+#: ``rt.gathered`` that differs by rank and a module attached after ``shard()`` each stop the program (the
+#: accepted refusal), so drawn among the others they would cut most programs short.
+CANONICAL_KINDS = ("write_in_forward", "rank_write", "attach")
 
 
 def learn(subject, inputs, modules: tuple[str, ...]) -> dict:
@@ -199,6 +200,11 @@ class UserLoopIntents:
         elif kind == "write_in_forward" and self.config.param_dtype is None \
                 and self.config.reshard_after_forward is True:  # refused at the release after the forward
             self.forward(b % BATCHES, WRITE_MODE)
+        elif kind == "rank_write" and self.config.param_dtype is None and self.shape.params:
+            self.gathered_write(a, b, RANK_WRITE)
+        elif kind == "attach":
+            modules = ("",) + tuple(self.shape.modules)
+            self.ops.append(Attach(modules[a % len(modules)], b % BATCHES))
         elif kind == "save_restore":
             self.save_restore(bool(a % 2), flag, a, b)
         elif kind == "rank_loss":
@@ -290,8 +296,9 @@ class UserLoopIntents:
         self.ops.append(Restore(full, plain=not full and bool(b % 2)))
         self.modified()
 
-    def gathered_write(self, a: int, b: int, variant: bool) -> None:
-        """A write to one parameter inside ``rt.gathered`` of a unit module holding it (every unit when none)."""
+    def gathered_write(self, a: int, b: int, variant: int) -> None:
+        """A write to one parameter inside ``rt.gathered`` of a unit module holding it (every unit when none);
+        ``variant``: see :class:`~paramfsm.verify.ops.GatheredWrite`."""
         names = [name for name, _ in self.shape.params]
         modules = [m for m in self.shape.modules if any(n.startswith(m + ".") for n in names)]
         module = ([None] + modules)[a % (len(modules) + 1)]

@@ -28,11 +28,15 @@ import torch
 from torch import nn
 
 import paramfsm.optim
+from paramfsm.verify.verdicts import Failed
 
 #: The in-place op a SubForward with ``view=True`` applies to a view of the unit's output.
 VIEW_OFFSET = 0.5
-#: ``GatheredWrite.variant`` -> the write: 0 ``p.mul_(0.5)``, 1 ``p.add_(0.01)``.
-WRITES = ("mul_(0.5)", "add_(0.01)")
+#: ``GatheredWrite.variant`` -> the write: 0 ``p.mul_(0.5)``, 1 ``p.add_(0.01)``, 2 (``RANK_WRITE``) the first
+#: element plus a value that differs by rank.
+WRITES = ("mul_(0.5)", "add_(0.01)", "view(-1)[:1].add_(0.01 * (rank + 1))")
+#: The name of the module an :class:`~paramfsm.verify.ops.Attach` adds.
+ATTACHED = "attached"
 
 
 @contextlib.contextmanager
@@ -105,12 +109,38 @@ def tree_loss(variant: int, out) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
-def write(param: torch.Tensor, variant: int) -> None:
-    """The in-place write of a GatheredWrite (call it under ``torch.no_grad()``)."""
+def write(param: torch.Tensor, variant: int, rank: int = 0) -> None:
+    """The in-place write of a GatheredWrite on rank ``rank`` (call it under ``torch.no_grad()``)."""
     if variant == 0:
         param.mul_(0.5)
-    else:
+    elif variant == 1:
         param.add_(0.01)
+    else:
+        param.view(-1)[:1].add_(0.01 * (rank + 1))
+
+
+def attach(model: nn.Module, module: str) -> None:
+    """An :class:`~paramfsm.verify.ops.Attach`: a module with its parameters in a child, added to ``module``."""
+    model.get_submodule(module).add_module(ATTACHED, nn.Sequential(nn.Linear(2, 2)))
+
+
+def attach_and_run(model: nn.Module, op, x) -> None:
+    """An :class:`~paramfsm.verify.ops.Attach` on the sharded model: attach, then a forward of ``x`` that every
+    rank must refuse."""
+    attach(model, op.module)
+    with torch.no_grad():
+        model(x)
+    not_refused(op)
+
+
+def not_refused(op) -> None:
+    """Raise: ``op`` (a rank-differing gathered write, an attached module's forward) ran on, where every rank
+    had to refuse it."""
+    what = (f"the ranks wrote different values to '{op.param}' inside rt.gathered(writeback=True), and no rank "
+            "raised" if hasattr(op, "param") else
+            f"a module with nested parameters was attached to '{op.module}' ("": the root) after "
+            "shard(), and the next forward raised no ModelChanged")
+    raise Failed("refusal", [what])
 
 
 def chosen(outs: tuple, rank: int):
