@@ -25,8 +25,8 @@ from paramfsm.errors import ParamFSMError
 from paramfsm.gathered import gathered as gathered_block
 
 
-def shard(model: nn.Module, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
-          prefetch: int = 1, trace=False, spec=None, *, strict: bool = False,
+def shard(model: nn.Module, *, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
+          prefetch: int = 1, trace=False, spec=None, strict: bool = False,
           bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_dtype=None, reduce_dtype=None, debug: bool = False,
           collective_timeout: float | None = None, mesh=None, device=None,
           sync_module_states: bool = False, reshard_after_forward=True, offload=None,

@@ -161,3 +161,17 @@ def test_the_edge_values_are_accepted_and_a_refused_model_can_be_sharded_after(o
         assert all(p.grad is not None for p in rt.shard_parameters())
     finally:
         rt.close()
+
+
+def test_every_argument_after_the_model_is_keyword_only(one_rank):
+    """DESIGN §4: ``shard(model, *, ...)``. A positional group or units list (an FSDP1 habit) is refused by Python
+    before anything is partitioned."""
+    import inspect
+
+    model = _model()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with pytest.raises(TypeError, match="positional"):
+        paramfsm.shard(model, None)
+    assert all(torch.equal(dict(model.named_parameters())[n], v) for n, v in before.items())
+    params = list(inspect.signature(paramfsm.shard).parameters.values())[1:]
+    assert params and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params), params
