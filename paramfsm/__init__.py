@@ -15,7 +15,7 @@ from paramfsm.errors import (
 
 __all__ = ["shard", "by_size", "Runtime", "State", "ParamFSMError", "IllegalTransition", "SpecError", "RankDesync",
            "CollectiveTimeout", "NotGathered", "ModelMismatch", "ModelChanged", "ArgumentError", "ArgumentTypeError",
-           "UnsupportedOutput", "Offload"]
+           "UnsupportedOutput", "Offload", "plan"]
 __version__ = "0.1.0"
 
 
@@ -29,6 +29,10 @@ def __getattr__(name: str):
         from paramfsm.offload import Offload
 
         return Offload
+    if name == "plan":
+        from paramfsm.planning import plan
+
+        return plan
     if name == "by_size":
         from paramfsm.engine.storage.units import by_size
 

@@ -173,7 +173,7 @@ def _keep(rt, module: nn.Module, name: str, fulls, written: set, complete: dict)
             hi = min(lo + rec.shard_numel, rec.numel)
             rec.shard[: hi - lo].copy_(value.reshape(-1)[lo:hi])
             rec.shard[hi - lo:].zero_()
-            complete[id(rec.param)] = not bool(torch.isnan(value).any())
+            complete[id(rec.param)] = value.is_meta or not bool(torch.isnan(value).any())  # meta: a plan's rehearsal
             written.add(id(rec.param))
     finally:
         rt.executor.free([rec for rec, _ in fulls])

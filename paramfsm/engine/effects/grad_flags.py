@@ -48,5 +48,7 @@ def without_unproduced(records, pieces) -> list:
     if not records or type(records[-1]) is not Flags:
         return list(zip(records, pieces))
     flags, pieces = records[-1], list(pieces)
+    if pieces[-1].is_meta:  # a memory plan's rehearsal (paramfsm.planning): every rank is taken to have one
+        return list(zip(records[:-1], pieces[:-1]))
     nobody = {rec for rec, any_rank in zip(flags.records, (pieces[-1] != 0).tolist()) if not any_rank}
     return [(rec, piece) for rec, piece in zip(records[:-1], pieces[:-1]) if rec not in nobody]

@@ -1,0 +1,166 @@
+"""``paramfsm.plan``: whether a configuration fits, per rank and per phase, before anything is launched.
+
+The plan rehearses a training step of the model's meta twin on rank 0 of a fake process group (see [Note: the
+plan is a rehearsal, not a second model of the runtime] in :mod:`paramfsm.planning.rehearsal`): the same
+``shard()``, hooks, scheduler, spec and executor as training, over tensors with no storage. Nothing is
+allocated, so a 70B model plans in seconds on a laptop.
+
+Inside a job (a process group already initialised) the rehearsal needs a process group of its own, so it
+runs in a child process; elsewhere it runs in this one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paramfsm.errors import ArgumentError, ParamFSMError
+from paramfsm.planning.report import Plan, PhasePeak, parse_bytes, size
+from paramfsm.planning.twin import meta_twin
+
+__all__ = ["plan", "Plan", "PhasePeak", "parse_bytes"]
+
+#: Optimizer kinds a plan rehearses by name: each builds the optimizer over the meta shards, whose first step
+#: creates its state as it would in training.
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params),
+    "adamw": lambda params: torch.optim.AdamW(params),
+    "adafactor": lambda params: torch.optim.Adafactor(params),
+}
+#: ``shard()`` options a plan rehearses as given.
+PLANNED = ("units", "min_unit_bytes", "prefetch", "bucket_bytes", "reshard_after_forward", "retain",
+           "max_deferred_bytes", "param_dtype", "reduce_dtype")
+#: ``shard()`` options a plan does not rehearse yet (a plan with one of them set is refused, not approximated).
+NOT_PLANNED = ("offload", "mesh", "group")
+
+
+def plan(model: nn.Module, world_size: int | None = None, *, optimizer="adamw", example_input=None,
+         activations=None, budget=None, async_save: bool = False, **options) -> Plan:
+    """The memory plan of ``model`` sharded over ``world_size`` ranks with ``shard()``'s ``options``.
+
+    ``model``: any model (its meta twin is rehearsed; nothing of it is changed or copied in memory), best
+    built on the meta device. ``world_size``: the ranks (default: the current process group's).
+    ``optimizer``: ``"sgd"`` (with momentum), ``"adam"``, ``"adamw"``, ``"adafactor"``, a function that builds
+    one from parameters, a number (bytes of state per shard element) or None. ``example_input``: what the
+    model takes (a tensor, a tuple of positional or a dict of keyword arguments, on the meta device, or a
+    function returning one); a Hugging Face model gets ``input_ids`` of shape (1, 128) when it is None.
+    Without one only ``init``, ``step`` and ``checkpoint`` are rehearsed. ``activations``: bytes, or a size
+    string, the model's own activations per rank (default: those saved for backward on the example input).
+    ``budget``: bytes per rank (or ``"20GiB"``); the plan says whether it fits. ``async_save``: the checkpoint
+    phase holds a staged copy (``paramfsm.checkpoint.save(..., async_save=True)``).
+    """
+    for name in options:
+        if name in NOT_PLANNED and options[name] is not None:
+            raise ParamFSMError(f"paramfsm.plan({name}=...): a plan does not rehearse {name}= yet, and it would "
+                                f"not guess. What to do: plan without it (the figures then hold every value in "
+                                f"working memory, an upper bound), or measure a step with rt.memory().")
+        if name not in PLANNED and name not in NOT_PLANNED:
+            raise ArgumentError(f"paramfsm.plan: unknown option {name}=; it takes shard()'s options {PLANNED}")
+    if world_size is None:
+        if not dist.is_initialized():
+            raise ArgumentError("paramfsm.plan: pass world_size= (no process group is initialised to take it from)")
+        world_size = dist.get_world_size()
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ArgumentError(f"paramfsm.plan(world_size={world_size!r}): a positive number of ranks")
+    budget_bytes = None if budget is None else parse_bytes(budget)
+    given = None if activations is None else parse_bytes(activations)
+    name, build, per_element = _optimizer(optimizer)
+    twin = meta_twin(model)
+    if example_input is None:
+        example_input = _hf_input(twin)
+    job = (twin, world_size, example_input, name, per_element, {k: v for k, v in options.items() if k in PLANNED},
+           async_save)
+    found = _in_child(job) if dist.is_initialized() else _rehearse(job, build)
+    measured = found["activations"]
+    phases = tuple(PhasePeak(phase, *found["peaks"][phase]) for phase in
+                   ("init", "forward", "backward", "step", "checkpoint") if phase in found["peaks"])
+    source = ("given" if given is not None else "saved for backward on the example input" if measured is not None
+              else "not counted: pass activations= or example_input=")
+    notes = () if example_input is not None else (
+        "forward and backward were not rehearsed: pass example_input= (what the model takes, on the meta device)",)
+    result = Plan(world_size, phases, given if given is not None else measured, source, found["gathered_bytes"],
+                  found["reduced_bytes"], found["units"], name, dict(options), budget_bytes, notes)
+    if budget_bytes is not None and result.peak > budget_bytes:
+        result = attrs.evolve(result, notes=result.notes + (_advice(result),))
+    return result
+
+
+def _advice(result: Plan) -> str:
+    """What would take the peak under the budget, from the kinds at the peak."""
+    peak = max(result.phases, key=result.with_activations)
+    biggest = sorted(((v, k) for k, v in peak.kinds.items() if v), reverse=True)[:3]
+    over = result.peak - (result.budget or 0)
+    held = ", ".join(f"{kind} {size(value)}" for value, kind in biggest)
+    return (f"What to do: the {peak.phase} peak is {size(result.peak)}, {size(over)} over; its largest parts are "
+            f"{held}. More ranks divide shards, shard gradients and optimizer state; paramfsm.Offload(optimizer="
+            f"'cpu', grads='cpu') moves those two off this memory; a smaller batch shrinks the activations.")
+
+
+def _optimizer(optimizer):
+    """(name, builder or None, state bytes per shard element or None)."""
+    if optimizer is None:
+        return "none", None, 0
+    if isinstance(optimizer, str):
+        key = optimizer.lower()
+        if key not in OPTIMIZERS:
+            raise ArgumentError(f"paramfsm.plan(optimizer={optimizer!r}): one of {sorted(OPTIMIZERS)}, a function "
+                                "that builds an optimizer from parameters, a number of bytes per element, or None")
+        return key, OPTIMIZERS[key], None
+    if callable(optimizer):
+        return getattr(optimizer, "__name__", "custom"), optimizer, None
+    if isinstance(optimizer, (int, float)) and optimizer >= 0:
+        return f"{optimizer:g} bytes per element", None, float(optimizer)
+    raise ArgumentError(f"paramfsm.plan(optimizer={optimizer!r}): a name, a function, a number or None")
+
+
+def _hf_input(model: nn.Module):
+    """``input_ids`` of shape (1, 128) on the meta device for a Hugging Face causal or masked LM, else None."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "vocab_size", None):
+        return None
+    length = min(128, getattr(config, "max_position_embeddings", 128) or 128)
+    return {"input_ids": torch.zeros(1, length, dtype=torch.long, device="meta")}
+
+
+def _rehearse(job, build=None) -> dict:
+    from paramfsm.planning.rehearsal import rehearse
+
+    twin, world_size, example_input, name, per_element, options, async_save = job
+    if build is None and name in OPTIMIZERS:
+        build = OPTIMIZERS[name]
+    return rehearse(twin, world_size, example_input, build, per_element, options, async_save)
+
+
+def _child(payload: bytes, out) -> None:
+    try:
+        out.send(("ok", _rehearse(pickle.loads(payload))))
+    except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
+        out.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _in_child(job) -> dict:
+    """The rehearsal in a child process (this one's process group is taken): the model's twin goes by pickle."""
+    if job[3] not in OPTIMIZERS and job[4] is None and job[3] != "none":
+        raise ParamFSMError("paramfsm.plan inside a job: the plan runs in a child process, so pass optimizer= by "
+                            "name or as a number of bytes per element, not as a function")
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe(duplex=False)
+    process = context.Process(target=_child, args=(pickle.dumps(job), child), daemon=True)
+    process.start()
+    child.close()
+    try:
+        status, found = parent.recv()
+    except EOFError:
+        raise ParamFSMError(f"paramfsm.plan: the planning process ended without a plan (exit code "
+                            f"{process.exitcode})") from None
+    finally:
+        process.join()
+    if status != "ok":
+        raise ParamFSMError(f"paramfsm.plan: the rehearsal failed: {found}")
+    return found
