@@ -11,8 +11,9 @@ runs in a child process; elsewhere it runs in this one.
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
+import subprocess
+import sys
 
 import attrs
 import torch
@@ -137,30 +138,30 @@ def _rehearse(job, build=None) -> dict:
     return rehearse(twin, world_size, example_input, build, per_element, options, async_save)
 
 
-def _child(payload: bytes, out) -> None:
+def serve() -> None:
+    """The child's side of :func:`_in_child`: a pickled job on stdin, ``("ok", found)`` or ``("error", text)``
+    pickled on stdout."""
+    job = pickle.loads(sys.stdin.buffer.read())
     try:
-        out.send(("ok", _rehearse(pickle.loads(payload))))
+        answer = ("ok", _rehearse(job))
     except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
-        out.send(("error", f"{type(exc).__name__}: {exc}"))
+        answer = ("error", f"{type(exc).__name__}: {exc}")
+    sys.stdout.buffer.write(pickle.dumps(answer))
 
 
 def _in_child(job) -> dict:
-    """The rehearsal in a child process (this one's process group is taken): the model's twin goes by pickle."""
+    """The rehearsal in a child process (this one's process group is taken, and a rank of a pool or of
+    torchrun may not fork helpers of its own): the model's twin goes by pickle over a pipe."""
     if job[3] not in OPTIMIZERS and job[4] is None and job[3] != "none":
         raise ParamFSMError("paramfsm.plan inside a job: the plan runs in a child process, so pass optimizer= by "
                             "name or as a number of bytes per element, not as a function")
-    context = multiprocessing.get_context("spawn")
-    parent, child = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=(pickle.dumps(job), child), daemon=True)
-    process.start()
-    child.close()
+    done = subprocess.run([sys.executable, "-c", "from paramfsm.planning import serve; serve()"],
+                          input=pickle.dumps(job), capture_output=True, check=False)
     try:
-        status, found = parent.recv()
-    except EOFError:
+        status, found = pickle.loads(done.stdout)
+    except Exception:  # noqa: BLE001 - no answer: what it printed says why
         raise ParamFSMError(f"paramfsm.plan: the planning process ended without a plan (exit code "
-                            f"{process.exitcode})") from None
-    finally:
-        process.join()
+                            f"{done.returncode}): {done.stderr.decode(errors='replace')[-2000:]}") from None
     if status != "ok":
         raise ParamFSMError(f"paramfsm.plan: the rehearsal failed: {found}")
     return found

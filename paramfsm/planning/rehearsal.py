@@ -79,6 +79,19 @@ class Sampler:
         self.phase = PHASES[0]
         self.peaks: dict[str, tuple[int, dict, str, str]] = {}  # phase -> (total, by kind, unit, event)
         self.last = ("", "shard")  # the transition the states now held follow from
+        # [Note: a sample counts the states by their transitions]
+        # Adding up every record's bytes at every transition would make a plan of a 70B model take minutes
+        # (a step is thousands of transitions over hundreds of records). So the bytes of the states that hold
+        # a full parameter are kept as running totals, moved by each transition from the kind of its source
+        # state to that of its destination, and the shard gradients are added up again only when a
+        # reduce-scatter was issued or completed since (the only moments they appear). Under offload (shards
+        # paged in and out outside these machines) and at world 1 (full parameters are views of the shards)
+        # every sample adds up every record, as rt.memory() does.
+        self.exact = getattr(rt, "offload", None) is not None or rt.world == 1
+        held = runtime_memory.memory(rt)
+        self.states = {kind: held[kind] for kind in _STATE_KIND.values()}
+        self.grads, self.grads_at = held["shard_grads"], None
+        self.shards = held["shards"]  # fixed without offload
 
     # The trace's interface, as paramfsm.core.fsm.step and step_many call it.
     # [Note: a sample follows the transition it names]
@@ -89,35 +102,70 @@ class Sampler:
     def append(self, t_ns, ctx, rec, cell, keep_graph, retained, holds) -> None:
         if self.trace is not None:
             self.trace.append(t_ns, ctx, rec, cell, keep_graph, retained, holds)
-        self.last = (getattr(rec, "unit", "") or "", TAGS[cell.tag][0])
+        event, src, dst, _ = TAGS[cell.tag]
+        self._move((rec,), src, dst)
+        self.last = (getattr(rec, "unit", "") or "", event)
         self.sample()
 
     def append_many(self, t_ns, ctx, records, cell, keep_graph, retained, holds) -> None:
         if self.trace is not None:
             self.trace.append_many(t_ns, ctx, records, cell, keep_graph, retained, holds)
         self.sample()
+        event, src, dst, _ = TAGS[cell.tag]
+        self._move(records, src, dst)
         first = records[0] if records else None
-        self.last = (getattr(first, "unit", "") or "", TAGS[cell.tag][0])
+        self.last = (getattr(first, "unit", "") or "", event)
 
     def __getattr__(self, name):  # anything else of the trace (its mode, its records) is the trace's
         return getattr(self.trace, name)
+
+    def _move(self, records, src: str, dst: str) -> None:
+        """Move the full-parameter bytes of ``records`` from ``src``'s kind to ``dst``'s."""
+        before, after = _STATE_KIND.get(src), _STATE_KIND.get(dst)
+        if before == after or self.exact:
+            return
+        nbytes = sum(rec.numel * rec.compute_dtype.itemsize for rec in records if hasattr(rec, "compute_dtype"))
+        if before is not None:
+            self.states[before] -= nbytes
+        if after is not None:
+            self.states[after] += nbytes
+
+    def counted(self) -> dict[str, int]:
+        """What is held now, by kind (see [Note: a sample counts the states by their transitions])."""
+        held = dict.fromkeys(KINDS, 0)
+        if self.exact:
+            found = runtime_memory.memory(self.rt)
+        else:
+            executor = self.rt.executor
+            moment = (executor.counters.reduce_scatters, len(executor._reduces), self.phase)
+            if moment != self.grads_at:
+                self.grads_at = moment
+                self.grads = sum(rec.shard.grad.numel() * rec.shard.grad.element_size()
+                                 for rec in self.rt._by_id.values() if rec.shard.grad is not None)
+            found = {"shards": self.shards, "shard_grads": self.grads, **self.states,
+                     "unsynced_grads": executor.unsynced.nbytes}
+        for kind, value in found.items():
+            if kind in held:
+                held[kind] += value
+        for kind, value in self.extra().items():
+            held[kind] += value
+        return held
 
     def sample(self, unit: str | None = None, event: str | None = None) -> None:
         """Count what is held now (after the last transition, or after ``event`` of ``unit``); keep it if it is
         the phase's largest total so far."""
         if event is not None:
             self.last = (unit or "", event)
-        unit, event = self.last
-        held = dict.fromkeys(KINDS, 0)
-        for kind, value in runtime_memory.memory(self.rt).items():
-            if kind in held:
-                held[kind] += value
-        for kind, value in self.extra().items():
-            held[kind] += value
+            self.grads_at = None  # a step or zero_grad between transitions changes the shard gradients
+        held = self.counted()
         total = sum(held.values())
         best = self.peaks.get(self.phase)
         if best is None or total > best[0]:
-            self.peaks[self.phase] = (total, held, unit, event)
+            self.peaks[self.phase] = (total, held, *self.last)
+
+
+#: The kinds of memory the parameter machine's states hold (a full parameter each), by state name.
+_STATE_KIND = {"AVAILABLE": "gathered", "INFLIGHT": "inflight", "DEFERRED_RELEASE": "deferred"}
 
 
 def reduce_buffer_bytes(executor) -> int:

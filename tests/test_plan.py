@@ -1,0 +1,200 @@
+"""``paramfsm.plan``: the peak bytes per rank of each phase, before launch, and the bound it keeps in training.
+
+The plan rehearses two steps of the model's meta twin on a fake process group; a real run on gloo ranks,
+counted the same way (``paramfsm.planning.measure.peaks``), must stay at or under the plan in every phase,
+and the plan within 1.15x of it. The prefetch depth and the bucket size are part of both (a plan that
+ignored ``prefetch=2`` would fall under the measured forward peak).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import paramfsm
+from paramfsm.errors import ArgumentError, ParamFSMError
+from paramfsm.planning.measure import peaks
+from paramfsm.planning.rehearsal import KINDS, PHASES
+from paramfsm.testing.models import mlp
+
+WIDTH, DEPTH, BATCH = 256, 6, 4
+#: The plan may hold at most this much over the measured peak of a phase.
+TIGHT = 1.15
+
+
+def stack() -> nn.Module:
+    """Linear layers large enough to be units of their own (256 KiB each), as benchmarks/memory.py's stack."""
+    return mlp(width=WIDTH, depth=DEPTH, d_in=WIDTH, d_out=WIDTH)
+
+
+def llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+MODELS = {"stack": (stack, lambda device: torch.ones(BATCH, WIDTH, device=device)),
+          "llama": (llama, lambda device: {"input_ids": torch.ones(BATCH, 16, dtype=torch.long, device=device)})}
+
+
+def _meta(name: str):
+    build, example = MODELS[name]
+    with torch.device("meta"):
+        model = build()
+    return model, example("meta")
+
+
+def test_a_plan_gives_each_phase_its_peak_by_kind_and_where_it_is_reached():
+    model, x = _meta("stack")
+    plan = paramfsm.plan(model, 4, bucket_bytes=1, example_input=x)
+    assert [p.phase for p in plan.phases] == list(PHASES)
+    shards = plan.phase("init").kinds["shards"]
+    assert shards == sum(-(-p.numel() // 4) * 4 for p in model.parameters())  # every shard, padded, fp32
+    for peak in plan.phases:
+        assert set(peak.kinds) == set(KINDS) and peak.total == sum(peak.kinds.values()), peak
+    forward = plan.phase("forward")
+    assert forward.kinds["gathered"] + forward.kinds["inflight"] >= 2 * WIDTH * WIDTH * 4, forward  # prefetched
+    assert forward.unit and forward.event, forward
+    step = plan.phase("step")
+    assert step.kinds["optimizer_state"] >= 2 * shards and step.kinds["shard_grads"] == shards, step  # AdamW
+    assert plan.activations and plan.activations_source.startswith("saved for backward")
+    assert plan.peak == plan.with_activations(max(plan.phases, key=plan.with_activations))
+    assert plan.gathered_bytes and plan.reduced_bytes
+    report = json.loads(json.dumps(plan.to_dict()))
+    assert report["phases"]["backward"]["total"] == plan.phase("backward").total and report["peak"] == plan.peak
+    text = str(plan)
+    assert "forward" in text and "peak:" in text and "activations:" in text, text
+
+
+def test_a_plan_changes_nothing_and_leaves_no_process_group():
+    torch.manual_seed(0)
+    model = stack()
+    before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    plan = paramfsm.plan(model, 2, example_input=torch.ones(BATCH, WIDTH, device="meta"), optimizer="sgd")
+    assert not dist.is_initialized()
+    after = dict(model.named_parameters())
+    assert all(after[n] is p and torch.equal(p, v) for n, (p, v) in before.items())
+    assert plan.phase("step").kinds["optimizer_state"] == plan.phase("init").kinds["shards"]  # one momentum buffer
+
+
+def test_a_budget_says_whether_the_plan_fits_and_what_to_move_when_it_does_not():
+    model, x = _meta("stack")
+    plan = paramfsm.plan(model, 2, example_input=x, budget="1GiB")
+    assert plan.fits("1GiB") and plan.budget == 1 << 30 and "fits" in str(plan)
+    small = paramfsm.plan(model, 2, example_input=x, budget=plan.peak - 1)
+    assert not small.fits(small.budget) and small.to_dict()["fits"] is False
+    assert "1 B over" in str(small) and "What to do:" in str(small) and "Offload(optimizer='cpu'" in str(small)
+
+
+def test_options_a_plan_cannot_rehearse_are_refused_not_guessed():
+    model, x = _meta("stack")
+    with pytest.raises(ParamFSMError, match="does not rehearse offload"):
+        paramfsm.plan(model, 2, example_input=x, offload=paramfsm.Offload(optimizer="cpu"))
+    with pytest.raises(ArgumentError, match="unknown option"):
+        paramfsm.plan(model, 2, example_input=x, prefetch_depth=2)
+    with pytest.raises(ArgumentError, match="world_size"):
+        paramfsm.plan(model, example_input=x)
+    with pytest.raises(ArgumentError, match="optimizer"):
+        paramfsm.plan(model, 2, example_input=x, optimizer="lion")
+
+
+def test_without_an_example_input_forward_and_backward_are_not_rehearsed_and_the_plan_says_so():
+    model, _ = _meta("stack")
+    plan = paramfsm.plan(model, 2, optimizer=8)
+    assert [p.phase for p in plan.phases] == ["init", "step", "checkpoint"]
+    assert plan.phase("step").kinds["optimizer_state"] == 2 * plan.phase("init").kinds["shards"]
+    assert plan.activations is None and "example_input" in str(plan)
+
+
+def measured_job(rank, world, name, options):
+    """Two training steps of the real model, counted by phase as the plan counts them."""
+    build, example = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    rt = paramfsm.shard(model, **options)
+    opt = torch.optim.AdamW(model.parameters())
+    x = example("cpu")
+    with peaks(rt, opt) as measured:
+        measured.phase("init")
+        for _ in range(2):
+            measured.phase("forward")
+            out = model(**x) if isinstance(x, dict) else model(x)
+            measured.sample("forward end")
+            measured.phase("backward")
+            parts = [out.logits] if hasattr(out, "logits") else [out]
+            torch.stack([t.float().mean() for t in parts]).sum().backward()
+            measured.sample("backward end")
+            measured.phase("step")
+            opt.step()
+            measured.sample("optimizer step")
+            measured.phase("checkpoint")
+            opt.zero_grad()
+    rt.close()
+    return {phase: total for phase, (total, *_) in measured.result().items()}
+
+
+CASES = [pytest.param("stack", {"bucket_bytes": 1, "prefetch": 1}, id="stack-prefetch1"),
+         pytest.param("stack", {"bucket_bytes": 1, "prefetch": 2}, id="stack-prefetch2"),
+         pytest.param("stack", {}, id="stack-defaults"),
+         pytest.param("llama", {}, id="llama-defaults")]
+
+
+def _bounds(plan, results) -> None:
+    for peak in plan.phases:
+        if peak.phase == "checkpoint":
+            continue  # the measured loop zeroes the gradients there; the plan's checkpoint phase keeps them
+        measured = max(result[peak.phase] for result in results)
+        assert measured <= peak.total <= TIGHT * measured, (peak.phase, peak.total, measured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,options", CASES)
+def test_the_plan_bounds_every_phase_of_two_real_ranks(ranks2, name, options):
+    model, x = _meta(name)
+    _bounds(paramfsm.plan(model, 2, example_input=x, **options), ranks2.run(measured_job, name, options, timeout=120))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,options", CASES[1:2] + CASES[3:])
+def test_the_plan_bounds_every_phase_of_three_real_ranks(ranks3, name, options):
+    model, x = _meta(name)
+    _bounds(paramfsm.plan(model, 3, example_input=x, **options), ranks3.run(measured_job, name, options, timeout=120))
+
+
+def planned_in_job(rank, world):
+    model, x = _meta("stack")
+    return paramfsm.plan(model, example_input=x, bucket_bytes=1).to_dict()
+
+
+@pytest.mark.slow
+def test_a_plan_inside_a_job_runs_apart_and_says_the_same(ranks2):
+    model, x = _meta("stack")
+    here = paramfsm.plan(model, 2, example_input=x, bucket_bytes=1).to_dict()
+    for found in ranks2.run(planned_in_job, timeout=180):
+        assert found["phases"] == here["phases"] and found["world_size"] == 2
+
+
+def test_the_command_line_plans_a_hugging_face_config(tmp_path):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "vocab_size": 256, "max_position_embeddings": 64}))
+    run = lambda *args: subprocess.run([sys.executable, "-m", "paramfsm", "plan", "--hf-config", str(config),  # noqa: E731
+                                        "--world", "4", *args], capture_output=True, text=True, timeout=300)
+    shown = run("--seq", "32")
+    assert shown.returncode == 0, shown.stderr
+    assert "world size 4" in shown.stdout and "backward" in shown.stdout and "nothing allocated" in shown.stdout
+    over = run("--budget", "1KiB", "--json")
+    assert over.returncode == 1, over.stderr
+    assert json.loads(over.stdout)["fits"] is False
+    refused = run("--offload", "optimizer=tape")
+    assert refused.returncode == 2 and "--offload" in refused.stderr
