@@ -30,7 +30,7 @@ def shard(model: nn.Module, *, group=None, units=None, retain: str = "defer", ma
           bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_dtype=None, reduce_dtype=None, debug: bool = False,
           collective_timeout: float | None = None, mesh=None, device=None,
           sync_module_states: bool = False, reshard_after_forward=True, offload=None,
-          min_unit_bytes: int | None = None) -> "Runtime":
+          min_unit_bytes: int | None = None, memory_budget=None) -> "Runtime":
     """Partition every parameter of ``model`` across the ranks of ``group`` and drive its lifetimes.
 
     ``units``: None (the default units: the blocks named in the model's
@@ -93,8 +93,17 @@ def shard(model: nn.Module, *, group=None, units=None, retain: str = "defer", ma
     ``offload``: None, a :class:`paramfsm.Offload` (where every unit's shards and optimizer state
     live: working memory, ``"cpu"`` or ``"disk"``), or a predicate ``(name, module) -> Offload | None``
     choosing per unit; see :mod:`paramfsm.offload`.
+    ``memory_budget``: bytes per rank (or ``"20GiB"``); when the memory plan of this call
+    (:func:`paramfsm.plan`) exceeds it, ``shard()`` raises before anything changes, naming what to move.
     """
     offload_module.check_offload(offload)
+    planned = dict(units=units, min_unit_bytes=min_unit_bytes, prefetch=prefetch, bucket_bytes=bucket_bytes,
+                   reshard_after_forward=reshard_after_forward, retain=retain, max_deferred_bytes=max_deferred_bytes,
+                   param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if memory_budget is not None:
+        from paramfsm import planning
+
+        planning.refuse_over_budget(model, memory_budget, group, dict(planned, offload=offload, mesh=mesh))
     group, replicate_group, limit, units = assembly.check_arguments(
         model, group, units, mesh, retain=retain, max_deferred_bytes=max_deferred_bytes, prefetch=prefetch,
         trace=trace, spec=spec, strict=strict, bucket_bytes=bucket_bytes, param_dtype=param_dtype,
@@ -106,6 +115,7 @@ def shard(model: nn.Module, *, group=None, units=None, retain: str = "defer", ma
                  mesh if replicate_group is not None else None, replicate_group, device, mesh,
                  sync_module_states=sync_module_states, offload=offload)
     assembly.apply_reshard_policy(rt, reshard_after_forward)
+    rt._planned = dict(planned, offload=offload, mesh=mesh)  # what rt.plan() rehearses
     return rt
 
 
@@ -158,6 +168,13 @@ class Runtime:
     @property
     def deferred_bytes(self) -> int:
         return self.scheduler.deferral.bytes
+
+    def plan(self, example_input=None, *, optimizer="adamw", activations=None, budget=None):
+        """The memory plan of this runtime's model and options (:func:`paramfsm.plan`); no collective."""
+        from paramfsm import planning
+
+        return planning.plan_runtime(self, example_input=example_input, optimizer=optimizer,
+                                     activations=activations, budget=budget)
 
     def memory(self) -> dict[str, int]:
         """Bytes held now, by kind (shards, gathered parameters, unsynchronised gradients, ...): see

@@ -101,7 +101,12 @@ def room_forbids(room: str):
     return forbids
 
 
-FORBIDS = {"core": core_forbids, "engine": engine_forbids, "verify": verify_forbids,
+def planning_forbids(name: str) -> bool:
+    """planning/ rehearses the runtime as training runs it: the facade and below, never a product built on it."""
+    return _top(name) in ("verify", "testing", "checkpoint", "integrations")
+
+
+FORBIDS = {"core": core_forbids, "engine": engine_forbids, "verify": verify_forbids, "planning": planning_forbids,
            **{f"engine/{room}": room_forbids(room) for room in ROOMS}}
 
 
@@ -127,6 +132,8 @@ def test_the_check_sees_violations(tmp_path, monkeypatch):
                         ("engine", "def f():\n    from paramfsm import runtime\n"),
                         ("verify", "from paramfsm.testing import models"),
                         ("verify", "def f():\n    import paramfsm.testing.subjects\n"),
+                        ("planning", "from paramfsm.verify import runner"),
+                        ("planning", "def f():\n    import paramfsm.checkpoint\n"),
                         ("engine/events", "from paramfsm.engine.schedule.plan import PassState"),
                         ("engine/events", "from paramfsm.engine.storage import partitioned"),
                         ("engine/effects", "from paramfsm.engine.schedule import grad_order"),

@@ -198,3 +198,32 @@ def test_the_command_line_plans_a_hugging_face_config(tmp_path):
     assert json.loads(over.stdout)["fits"] is False
     refused = run("--offload", "optimizer=tape")
     assert refused.returncode == 2 and "--offload" in refused.stderr
+
+
+def budget_job(rank, world):
+    """shard(memory_budget=) under, then over, the plan's peak; the refused call changes nothing."""
+    torch.manual_seed(0)
+    model = llama()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    twin, x = _meta("llama")
+    peak = paramfsm.plan(twin, world).peak
+    try:
+        paramfsm.shard(model, memory_budget=peak - 1)
+        refused = None
+    except ParamFSMError as exc:
+        refused = str(exc)
+    unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    rt = paramfsm.shard(model, memory_budget=peak)
+    live = rt.plan().to_dict()
+    rt.close()
+    return refused, unchanged, live, paramfsm.plan(twin, world).to_dict()
+
+
+@pytest.mark.slow
+def test_shard_refuses_a_memory_budget_its_plan_exceeds_before_changing_anything(ranks2):
+    pytest.importorskip("transformers")
+    for refused, unchanged, live, planned in ranks2.run(budget_job, timeout=300):
+        assert refused is not None and "memory_budget=" in refused and "1 B over" in refused, refused
+        assert "nothing was changed" in refused and "What to do:" in refused, refused
+        assert unchanged, "the refused shard() changed the model"
+        assert live["phases"] == planned["phases"], "rt.plan() differs from the plan of the model it shards"

@@ -24,7 +24,7 @@ from paramfsm.errors import ArgumentError, ParamFSMError
 from paramfsm.planning.report import Plan, PhasePeak, parse_bytes, size
 from paramfsm.planning.twin import meta_twin
 
-__all__ = ["plan", "Plan", "PhasePeak", "parse_bytes"]
+__all__ = ["plan", "plan_runtime", "refuse_over_budget", "Plan", "PhasePeak", "parse_bytes"]
 
 #: Optimizer kinds a plan rehearses by name: each builds the optimizer over the meta shards, whose first step
 #: creates its state as it would in training.
@@ -90,6 +90,29 @@ def plan(model: nn.Module, world_size: int | None = None, *, optimizer="adamw", 
     if budget_bytes is not None and result.peak > budget_bytes:
         result = attrs.evolve(result, notes=result.notes + (_advice(result),))
     return result
+
+
+def refuse_over_budget(model: nn.Module, budget, group, options: dict) -> None:
+    """``shard(..., memory_budget=budget)``: raise, before anything changes, when the plan of ``model`` with
+    ``options`` over ``group``'s ranks exceeds ``budget`` (every rank plans alike, so every rank raises)."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    result = plan(model, world, budget=budget, **{k: v for k, v in options.items() if v is not None or k in PLANNED})
+    if not result.fits(result.budget):
+        unrehearsed = "" if any(p.phase == "backward" for p in result.phases) else (
+            " (forward and backward were not rehearsed: shard() has no example input for this model; "
+            "paramfsm.plan(model, example_input=...) plans them)")
+        raise ParamFSMError(f"paramfsm.shard(memory_budget={size(result.budget)}): the memory plan's peak is "
+                            f"{size(result.peak)} per rank in {result.peak_phase}, {size(result.peak - result.budget)} "
+                            f"over{unrehearsed}; nothing was changed. {_advice(result)}\n{result}")
+
+
+def plan_runtime(rt, **kwargs) -> Plan:
+    """``rt.plan()``: the plan of a live runtime's model, rehearsed on a meta twin of it (its partitioned
+    parameters at their full shapes, without the runtime's hooks)."""
+    shapes = {id(rec.param): (tuple(rec.shape), rec.shard.dtype) for rec in rt._by_id.values()}
+    twin = meta_twin(rt.model, shapes, strip_hooks=True)
+    options = {k: v for k, v in rt._planned.items() if v is not None or k in PLANNED}
+    return plan(twin, rt.world, **kwargs, **options)
 
 
 def _advice(result: Plan) -> str:
