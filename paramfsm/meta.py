@@ -37,18 +37,18 @@ from paramfsm.errors import ParamFSMError
 
 
 #: Set while :mod:`paramfsm.planning.rehearsal` shards a meta model onto meta shards (nothing allocated).
-_REHEARSING = [False]
+REHEARSING = [False]
 
 
 @contextlib.contextmanager
 def rehearsing() -> Iterator[None]:
     """Within the block, ``shard(meta_model, device="meta")`` keeps the shards on the meta device: the memory
     plan's rehearsal of a step (:mod:`paramfsm.planning.rehearsal`), which allocates nothing."""
-    _REHEARSING[0] = True
+    REHEARSING[0] = True
     try:
         yield
     finally:
-        _REHEARSING[0] = False
+        REHEARSING[0] = False
 
 
 def assume_values(rt) -> None:
@@ -86,7 +86,7 @@ def placement(model: nn.Module, device, mesh=None) -> tuple[torch.device, bool]:
     if device is None:
         device = default_device(mesh)
     device = torch.device(device)
-    if device.type == "meta" and not _REHEARSING[0]:
+    if device.type == "meta" and not REHEARSING[0]:
         raise ParamFSMError("paramfsm.shard(device='meta'): the shards need a real device ('cuda', 'cpu', ...)")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

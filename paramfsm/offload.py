@@ -36,7 +36,8 @@ import attrs
 from paramfsm.engine.effects.paging import Pager
 from paramfsm.engine.schedule.grad_paging import GradPaging
 from paramfsm.engine.schedule.residency import Paged, Residency
-from paramfsm.engine.storage.tiers import DiskTier, HostTier
+from paramfsm import meta
+from paramfsm.engine.storage.tiers import DiskTier, HostTier, RehearsalTier
 from paramfsm.errors import ArgumentError, ArgumentTypeError
 
 TIERS = (None, "cpu", "disk")
@@ -140,7 +141,12 @@ def plan(rt, offload) -> OffloadPlan | None:
     def pager(where: str, o: Offload, owner: str) -> Pager:
         key = (where, str(Path(o.path).expanduser().resolve()) if where == "disk" else "")
         if key not in pagers:
-            tier = DiskTier(o.path, rt.rank, owner) if where == "disk" else HostTier(rt.rank, o.pin_memory)
+            if meta.REHEARSING[0]:  # a memory plan's rehearsal: sizes only, nothing allocated or written
+                tier = RehearsalTier(where, rt.rank)
+            elif where == "disk":
+                tier = DiskTier(o.path, rt.rank, owner)
+            else:
+                tier = HostTier(rt.rank, o.pin_memory)
             pagers[key] = Pager(tier, rt.rank)
         return pagers[key]
 

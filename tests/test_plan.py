@@ -20,7 +20,7 @@ from torch import nn
 import paramfsm
 from paramfsm.errors import ArgumentError, ParamFSMError
 from paramfsm.planning.measure import peaks
-from paramfsm.planning.rehearsal import KINDS, PHASES
+from paramfsm.planning.rehearsal import KINDS, PHASES, TIER_KINDS
 from paramfsm.testing.models import mlp
 
 WIDTH, DEPTH, BATCH = 256, 6, 4
@@ -59,7 +59,7 @@ def test_a_plan_gives_each_phase_its_peak_by_kind_and_where_it_is_reached():
     shards = plan.phase("init").kinds["shards"]
     assert shards == sum(-(-p.numel() // 4) * 4 for p in model.parameters())  # every shard, padded, fp32
     for peak in plan.phases:
-        assert set(peak.kinds) == set(KINDS) and peak.total == sum(peak.kinds.values()), peak
+        assert set(peak.kinds) == set(KINDS + TIER_KINDS) and peak.total == sum(peak.kinds[k] for k in KINDS), peak
     forward = plan.phase("forward")
     assert forward.kinds["gathered"] + forward.kinds["inflight"] >= 2 * WIDTH * WIDTH * 4, forward  # prefetched
     assert forward.unit and forward.event, forward
@@ -96,8 +96,8 @@ def test_a_budget_says_whether_the_plan_fits_and_what_to_move_when_it_does_not()
 
 def test_options_a_plan_cannot_rehearse_are_refused_not_guessed():
     model, x = _meta("stack")
-    with pytest.raises(ParamFSMError, match="does not rehearse offload"):
-        paramfsm.plan(model, 2, example_input=x, offload=paramfsm.Offload(optimizer="cpu"))
+    with pytest.raises(ParamFSMError, match="does not rehearse mesh"):
+        paramfsm.plan(model, 2, example_input=x, mesh=object())
     with pytest.raises(ArgumentError, match="unknown option"):
         paramfsm.plan(model, 2, example_input=x, prefetch_depth=2)
     with pytest.raises(ArgumentError, match="world_size"):
@@ -115,15 +115,20 @@ def test_without_an_example_input_forward_and_backward_are_not_rehearsed_and_the
 
 
 def measured_job(rank, world, name, options):
-    """Two training steps of the real model, counted by phase as the plan counts them."""
+    """A model built on the meta device, sharded and initialised, then two training steps, counted by phase as
+    the plan counts them (the plan's init phase is shard() and rt.init_weights() of a meta build too)."""
     build, example = MODELS[name]
     torch.manual_seed(0)
-    model = build()
+    with torch.device("meta"):
+        model = build()
     rt = paramfsm.shard(model, **options)
-    opt = torch.optim.AdamW(model.parameters())
     x = example("cpu")
-    with peaks(rt, opt) as measured:
+    with peaks(rt) as measured:
         measured.phase("init")
+        rt.init_weights(getattr(model, "_init_weights", None))  # a Hugging Face model's own initialiser
+        measured.sample("init end")
+        opt = torch.optim.AdamW(model.parameters())
+        measured.optimizer = opt
         for _ in range(2):
             measured.phase("forward")
             out = model(**x) if isinstance(x, dict) else model(x)
@@ -144,7 +149,20 @@ def measured_job(rank, world, name, options):
 CASES = [pytest.param("stack", {"bucket_bytes": 1, "prefetch": 1}, id="stack-prefetch1"),
          pytest.param("stack", {"bucket_bytes": 1, "prefetch": 2}, id="stack-prefetch2"),
          pytest.param("stack", {}, id="stack-defaults"),
-         pytest.param("llama", {}, id="llama-defaults")]
+         pytest.param("llama", {}, id="llama-defaults"),
+         pytest.param("stack", {"offload": paramfsm.Offload(params="cpu", grads="cpu", optimizer="cpu")},
+                      id="stack-offload-cpu"),
+         pytest.param("llama", {"offload": paramfsm.Offload(optimizer="disk", path="DISK")}, id="llama-offload-disk")]
+
+
+def _on_disk(options: dict, folder) -> dict:
+    """``options`` with an Offload's ``path="DISK"`` placeholder set to ``folder``."""
+    offload = options.get("offload")
+    if offload is None or offload.path != "DISK":
+        return options
+    import attrs
+
+    return dict(options, offload=attrs.evolve(offload, path=str(folder)))
 
 
 def _bounds(plan, results) -> None:
@@ -157,14 +175,16 @@ def _bounds(plan, results) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,options", CASES)
-def test_the_plan_bounds_every_phase_of_two_real_ranks(ranks2, name, options):
+def test_the_plan_bounds_every_phase_of_two_real_ranks(ranks2, name, options, tmp_path):
+    options = _on_disk(options, tmp_path)
     model, x = _meta(name)
     _bounds(paramfsm.plan(model, 2, example_input=x, **options), ranks2.run(measured_job, name, options, timeout=120))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,options", CASES[1:2] + CASES[3:])
-def test_the_plan_bounds_every_phase_of_three_real_ranks(ranks3, name, options):
+def test_the_plan_bounds_every_phase_of_three_real_ranks(ranks3, name, options, tmp_path):
+    options = _on_disk(options, tmp_path)
     model, x = _meta(name)
     _bounds(paramfsm.plan(model, 3, example_input=x, **options), ranks3.run(measured_job, name, options, timeout=120))
 

@@ -36,9 +36,9 @@ OPTIMIZERS = {
 }
 #: ``shard()`` options a plan rehearses as given.
 PLANNED = ("units", "min_unit_bytes", "prefetch", "bucket_bytes", "reshard_after_forward", "retain",
-           "max_deferred_bytes", "param_dtype", "reduce_dtype")
+           "max_deferred_bytes", "param_dtype", "reduce_dtype", "offload")
 #: ``shard()`` options a plan does not rehearse yet (a plan with one of them set is refused, not approximated).
-NOT_PLANNED = ("offload", "mesh", "group")
+NOT_PLANNED = ("mesh", "group")
 
 
 def plan(model: nn.Module, world_size: int | None = None, *, optimizer="adamw", example_input=None,
@@ -86,7 +86,8 @@ def plan(model: nn.Module, world_size: int | None = None, *, optimizer="adamw", 
     notes = () if example_input is not None else (
         "forward and backward were not rehearsed: pass example_input= (what the model takes, on the meta device)",)
     result = Plan(world_size, phases, given if given is not None else measured, source, found["gathered_bytes"],
-                  found["reduced_bytes"], found["units"], name, dict(options), budget_bytes, notes)
+                  found["reduced_bytes"], found["tier_bytes"], found["units"], name, dict(options), budget_bytes,
+                  notes)
     if budget_bytes is not None and result.peak > budget_bytes:
         result = attrs.evolve(result, notes=result.notes + (_advice(result),))
     return result

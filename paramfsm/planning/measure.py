@@ -19,9 +19,10 @@ class Measured:
     """The peaks of a live runtime, by phase (see the module docstring)."""
 
     def __init__(self, rt, optimizer):
-        self.optimizer = optimizer
-        extras = lambda: {"optimizer_state": optimizer_state_bytes(optimizer) if optimizer is not None else 0,  # noqa: E731
-                          "reduce_buffers": reduce_buffer_bytes(rt.executor), "checkpoint_staging": 0}
+        self.optimizer = optimizer  # whose state counts (it may be set once the optimizer is built)
+        extras = lambda: {  # noqa: E731
+            "optimizer_state": optimizer_state_bytes(self.optimizer) if self.optimizer is not None else 0,
+            "reduce_buffers": reduce_buffer_bytes(rt.executor), "checkpoint_staging": 0}
         self.sampler = Sampler(rt, rt.scheduler.ctx.trace, extras)
 
     def phase(self, name: str) -> None:

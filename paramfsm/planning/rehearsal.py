@@ -43,11 +43,15 @@ from torch import nn
 from paramfsm import memory as runtime_memory
 from paramfsm import meta
 from paramfsm.core.fsm import TAGS
+from paramfsm.engine.storage import paged
 from paramfsm.errors import ParamFSMError
 
-#: What a plan counts, per rank, in the order it reports them.
+#: What a plan counts in working memory, per rank, in the order it reports them (a phase's total is their sum).
 KINDS = ("shards", "shard_grads", "optimizer_state", "gathered", "inflight", "deferred", "unsynced_grads",
          "reduce_buffers", "checkpoint_staging")
+#: What offload tiers hold apart from working memory (host memory, disk): reported, not in a total. Under
+#: offload ``shards``, ``shard_grads`` and ``optimizer_state`` count only the values resident in working memory.
+TIER_KINDS = ("tier_cpu", "tier_disk")
 #: The phases of a step, in order.
 PHASES = ("init", "forward", "backward", "step", "checkpoint")
 
@@ -132,7 +136,7 @@ class Sampler:
 
     def counted(self) -> dict[str, int]:
         """What is held now, by kind (see [Note: a sample counts the states by their transitions])."""
-        held = dict.fromkeys(KINDS, 0)
+        held = dict.fromkeys(KINDS + TIER_KINDS, 0)
         if self.exact:
             found = runtime_memory.memory(self.rt)
         else:
@@ -158,7 +162,7 @@ class Sampler:
             self.last = (unit or "", event)
             self.grads_at = None  # a step or zero_grad between transitions changes the shard gradients
         held = self.counted()
-        total = sum(held.values())
+        total = sum(held[kind] for kind in KINDS)
         best = self.peaks.get(self.phase)
         if best is None or total > best[0]:
             self.peaks[self.phase] = (total, held, *self.last)
@@ -210,10 +214,11 @@ def saved_activation_bytes(found: list) -> Iterator[None]:
         yield
 
 
-def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of every tensor of ``optimizer``'s per-parameter state (its step counters included)."""
+def optimizer_state_bytes(optimizer, resident: bool = True) -> int:
+    """Bytes of every tensor of ``optimizer``'s per-parameter state (its step counters included); with
+    ``resident``, only those in working memory (under offload, an offloaded tensor while it is paged in)."""
     return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
-               if isinstance(t, torch.Tensor))
+               if isinstance(t, torch.Tensor) and not (resident and paged.is_paged_out(t)))
 
 
 def rehearse(model: nn.Module, world_size: int, example_input, build_optimizer, state_bytes_per_element,
@@ -248,20 +253,23 @@ def _steps(rt, model, example_input, build_optimizer, state_bytes_per_element, a
     shard_elements = sum(rec.shard.numel() for rec in records)
     shard_bytes = sum(rec.shard.numel() * rec.shard.element_size() for rec in records)
     extra = {"optimizer_state": 0, "checkpoint_staging": 0}
+    optimizer = None
 
-    def extras() -> dict:
-        return {**extra, "reduce_buffers": reduce_buffer_bytes(rt.executor)}
+    def extras() -> dict:  # the optimizer's state as it is now: under offload, a unit's while it steps
+        live = {"optimizer_state": optimizer_state_bytes(optimizer)} if optimizer is not None else {}
+        return {**extra, **live, "reduce_buffers": reduce_buffer_bytes(rt.executor)}
 
     ctx = rt.scheduler.ctx
     sampler = Sampler(rt, ctx.trace, extras)
     ctx.trace = sampler
     rt.init_weights(lambda module: None)  # streams module by module, as a real init does
     sampler.sample("", "init end")
-    optimizer = build_optimizer(list(rt.shard_parameters())) if build_optimizer is not None else None
+    if build_optimizer is not None:
+        optimizer = build_optimizer(list(rt.shard_parameters()))
     activations = [0]
     before = dict(rt.counters)
     for _ in range(STEPS):
-        before = dict(rt.counters)
+        before, tier_before = dict(rt.counters), _tier_traffic(rt)
         if example_input is not None:
             _forward_backward(sampler, model, example_input, activations)
         sampler.phase = "step"
@@ -270,13 +278,13 @@ def _steps(rt, model, example_input, build_optimizer, state_bytes_per_element, a
                 if rec.shard.grad is None:
                     rec.shard.grad = torch.empty_like(rec.shard)
             optimizer.step()
-            extra["optimizer_state"] = optimizer_state_bytes(optimizer)
         else:
             extra["optimizer_state"] = int(state_bytes_per_element * shard_elements)
         sampler.sample("", "optimizer step")
         sampler.phase = "checkpoint"
         if async_save:  # a staged copy of the shards and the optimizer state while the save writes
-            extra["checkpoint_staging"] = shard_bytes + extra["optimizer_state"]
+            extra["checkpoint_staging"] = shard_bytes + (
+                optimizer_state_bytes(optimizer, resident=False) if optimizer is not None else extra["optimizer_state"])
         sampler.sample("", "checkpoint save")
         extra["checkpoint_staging"] = 0
         if optimizer is not None:
@@ -286,7 +294,14 @@ def _steps(rt, model, example_input, build_optimizer, state_bytes_per_element, a
     return {"peaks": dict(sampler.peaks), "activations": activations[0] if example_input is not None else None,
             "gathered_bytes": after["gathered_bytes"] - before["gathered_bytes"],
             "reduced_bytes": after["reduced_bytes"] - before["reduced_bytes"],
-            "units": len(rt.units), "shard_bytes": shard_bytes}
+            "units": len(rt.units), "shard_bytes": shard_bytes,
+            "tier_bytes": _tier_traffic(rt) - tier_before}
+
+
+def _tier_traffic(rt) -> int:
+    """Bytes read from and written to the offload tiers so far (0 without offload)."""
+    plan = getattr(rt, "offload", None)
+    return 0 if plan is None else sum(plan.traffic().values())
 
 
 def _forward_backward(sampler, model, example_input, activations: list) -> None:

@@ -1,5 +1,8 @@
 """What a memory plan says: each phase's peak bytes per rank, by kind, and where it peaks; the activations apart.
 
+A phase's ``total`` is working memory (the device's, or the host's on a CPU run); what offload tiers hold
+(``tier_cpu``, ``tier_disk``) is shown beside it and not added in.
+
 :class:`Plan` is what ``paramfsm.plan`` returns and ``paramfsm plan`` prints. Every figure is bytes per
 rank that paramfsm holds (the kinds of :data:`paramfsm.planning.rehearsal.KINDS`). Activations are the
 model's, not the runtime's: they are their own line, never inside another figure, and they count in the
@@ -63,6 +66,7 @@ class Plan:
     activations_source: str
     gathered_bytes: int
     reduced_bytes: int
+    tier_bytes: int
     units: int
     optimizer: str
     options: dict
@@ -103,14 +107,15 @@ class Plan:
                                  "unit": p.unit, "event": p.event} for p in self.phases},
             "activations": self.activations, "activations_source": self.activations_source,
             "peak": self.peak, "peak_phase": self.peak_phase,
-            "traffic_per_step": {"all_gather": self.gathered_bytes, "reduce_scatter": self.reduced_bytes},
+            "traffic_per_step": {"all_gather": self.gathered_bytes, "reduce_scatter": self.reduced_bytes,
+                                 "offload_tiers": self.tier_bytes},
             "budget": self.budget, "fits": None if self.budget is None else self.peak <= self.budget,
             "notes": list(self.notes),
         }
 
     def __str__(self) -> str:
         kinds = [k for k in self.phases[0].kinds if any(p.kinds.get(k) for p in self.phases)]
-        head = ["phase", "total", *kinds, "peaks at"]
+        head = ["phase", "total", *kinds, "peaks at"]  # tier_cpu, tier_disk: apart from the total
         rows = [[p.phase, size(p.total), *(size(p.kinds.get(k, 0)) for k in kinds),
                  (f"unit '{p.unit}', " if p.unit else "") + p.event] for p in self.phases]
         widths = [max(len(str(row[i])) for row in [head, *rows]) for i in range(len(head))]
@@ -121,7 +126,8 @@ class Plan:
         out.append(f"peak: {size(self.peak)} in {self.peak_phase}"
                    + (" (activations included)" if self.activations and self.peak_phase in WITH_ACTIVATIONS else ""))
         out.append(f"traffic per step and rank: all-gathers receive {size(self.gathered_bytes)}, "
-                   f"reduce-scatters send {size(self.reduced_bytes)}")
+                   f"reduce-scatters send {size(self.reduced_bytes)}"
+                   + (f", offload tiers read and write {size(self.tier_bytes)}" if self.tier_bytes else ""))
         if self.budget is not None:
             over = self.peak - self.budget
             out.append(f"budget {size(self.budget)}: " + ("fits" if over <= 0 else f"does not fit, {size(over)} over"))

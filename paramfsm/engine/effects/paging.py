@@ -32,6 +32,11 @@ from paramfsm.engine.storage import paged
 from paramfsm.errors import StaleOffloadCopy
 
 
+#: Devices whose tensors a tier reads and writes as they are: the host, and the meta device of a memory
+#: plan's rehearsal (paramfsm.planning.rehearsal), whose tier (RehearsalTier) moves nothing.
+_IN_PLACE = ("cpu", "meta")
+
+
 class Pager:
     """The effects of one tier (see the module docstring); counts the bytes it moves."""
 
@@ -53,7 +58,7 @@ class Pager:
             for key, tensor in p.values():
                 slot = self.tier.slots[key]
                 buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-                target = buffer if buffer.device.type == "cpu" else torch.empty(
+                target = buffer if buffer.device.type in _IN_PLACE else torch.empty(
                     tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
                 if self.tier.where == "cpu":
                     self.tier.read(slot, buffer, p.name)
@@ -82,7 +87,7 @@ class Pager:
         for p in placements:
             for key, tensor in p.values():
                 value = paged.working(tensor)
-                if value.device.type != "cpu" and self.tier.where == "disk":
+                if value.device.type not in _IN_PLACE and self.tier.where == "disk":
                     value = value.to("cpu")
                 slot = self.tier.place(key, value, p.name)
                 self.tier.write(slot, value.contiguous(), p.version, p.name)

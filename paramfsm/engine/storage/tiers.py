@@ -81,6 +81,37 @@ class HostTier:
         self.slots.clear()
 
 
+class RehearsalTier:
+    """A tier that keeps sizes and versions only: a memory plan's rehearsal over meta tensors
+    (:mod:`paramfsm.planning.rehearsal`) counts what ``where`` would hold and allocates nothing."""
+
+    def __init__(self, where: str, rank: int):
+        self.where, self.rank = where, rank
+        self.slots: dict = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.nbytes for slot in self.slots.values())
+
+    def place(self, key, tensor: torch.Tensor, owner: str) -> Slot:
+        slot = self.slots.get(key)
+        if slot is None:
+            slot = self.slots[key] = Slot(tensor.numel() * tensor.element_size())
+        return _same_size(slot, tensor, owner)
+
+    def reserve(self, nbytes: int, owner: str) -> None:
+        """Nothing to reserve: no disk is written."""
+
+    def write(self, slot: Slot, tensor: torch.Tensor, version: int, owner: str) -> None:
+        slot.version = version
+
+    def read(self, slot: Slot, out: torch.Tensor, owner: str) -> None:
+        """A meta tensor has no values to read into."""
+
+    def close(self) -> None:
+        self.slots.clear()
+
+
 class DiskTier:
     """Tier copies in one file per rank under ``folder`` (see [Note: one file per rank and run])."""
 
