@@ -92,6 +92,10 @@ def test_a_budget_says_whether_the_plan_fits_and_what_to_move_when_it_does_not()
     small = paramfsm.plan(model, 2, example_input=x, budget=plan.peak - 1)
     assert not small.fits(small.budget) and small.to_dict()["fits"] is False
     assert "1 B over" in str(small) and "What to do:" in str(small) and "Offload(optimizer='cpu'" in str(small)
+    found = small.placement  # the least costly placement that fits, rehearsed like the plan
+    assert found["fits"] and found["peak"] <= small.budget and found["placement"] in str(small), found
+    tight = paramfsm.plan(model, 2, example_input=x, budget=plan.phase("init").total)
+    assert tight.placement["fits"] is False and tight.placement["over"] > 0 and "No placement tried fits" in str(tight)
 
 
 def test_options_a_plan_cannot_rehearse_are_refused_not_guessed():

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paramfsm.errors import ArgumentError, ParamFSMError
+from paramfsm.planning import budget as budget_search
 from paramfsm.planning.report import Plan, PhasePeak, parse_bytes, size
 from paramfsm.planning.twin import meta_twin
 
@@ -53,7 +54,8 @@ def plan(model: nn.Module, world_size: int | None = None, *, optimizer="adamw", 
     function returning one); a Hugging Face model gets ``input_ids`` of shape (1, 128) when it is None.
     Without one only ``init``, ``step`` and ``checkpoint`` are rehearsed. ``activations``: bytes, or a size
     string, the model's own activations per rank (default: those saved for backward on the example input).
-    ``budget``: bytes per rank (or ``"20GiB"``); the plan says whether it fits. ``async_save``: the checkpoint
+    ``budget``: bytes per rank (or ``"20GiB"``); the plan says whether it fits, and when it does not, the least
+    costly placement that does (``plan.placement``, :mod:`paramfsm.planning.budget`). ``async_save``: the checkpoint
     phase holds a staged copy (``paramfsm.checkpoint.save(..., async_save=True)``).
     """
     for name in options:
@@ -72,24 +74,30 @@ def plan(model: nn.Module, world_size: int | None = None, *, optimizer="adamw", 
     budget_bytes = None if budget is None else parse_bytes(budget)
     given = None if activations is None else parse_bytes(activations)
     name, build, per_element = _optimizer(optimizer)
-    twin = meta_twin(model)
     if example_input is None:
-        example_input = _hf_input(twin)
-    job = (twin, world_size, example_input, name, per_element, {k: v for k, v in options.items() if k in PLANNED},
-           async_save)
-    found = _in_child(job) if dist.is_initialized() else _rehearse(job, build)
-    measured = found["activations"]
-    phases = tuple(PhasePeak(phase, *found["peaks"][phase]) for phase in
-                   ("init", "forward", "backward", "step", "checkpoint") if phase in found["peaks"])
-    source = ("given" if given is not None else "saved for backward on the example input" if measured is not None
-              else "not counted: pass activations= or example_input=")
-    notes = () if example_input is not None else (
-        "forward and backward were not rehearsed: pass example_input= (what the model takes, on the meta device)",)
-    result = Plan(world_size, phases, given if given is not None else measured, source, found["gathered_bytes"],
-                  found["reduced_bytes"], found["tier_bytes"], found["units"], name, dict(options), budget_bytes,
-                  notes)
+        example_input = _hf_input(model)
+    planned = {k: v for k, v in options.items() if k in PLANNED}
+
+    def rehearsed(extra: dict) -> Plan:
+        job = (meta_twin(model), world_size, example_input, name, per_element, {**planned, **extra}, async_save)
+        found = _in_child(job) if dist.is_initialized() else _rehearse(job, build)
+        measured = found["activations"]
+        phases = tuple(PhasePeak(phase, *found["peaks"][phase]) for phase in
+                       ("init", "forward", "backward", "step", "checkpoint") if phase in found["peaks"])
+        source = ("given" if given is not None else "saved for backward on the example input"
+                  if measured is not None else "not counted: pass activations= or example_input=")
+        notes = () if example_input is not None else (
+            "forward and backward were not rehearsed: pass example_input= (what the model takes, on the meta "
+            "device)",)
+        return Plan(world_size, phases, given if given is not None else measured, source, found["gathered_bytes"],
+                    found["reduced_bytes"], found["tier_bytes"], found["units"], name, {**options, **extra},
+                    budget_bytes, notes)
+
+    result = rehearsed({})
     if budget_bytes is not None and result.peak > budget_bytes:
-        result = attrs.evolve(result, notes=result.notes + (_advice(result),))
+        found = budget_search.search(rehearsed, planned, budget_bytes)
+        result = attrs.evolve(result, placement=found,
+                              notes=result.notes + (_advice(result), budget_search.describe(found, result)))
     return result
 
 

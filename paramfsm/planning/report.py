@@ -72,6 +72,8 @@ class Plan:
     options: dict
     budget: int | None = None
     notes: tuple = ()
+    #: Over budget: the least costly placement that fits, or the closest (see paramfsm.planning.budget).
+    placement: dict | None = None
 
     def phase(self, name: str) -> PhasePeak:
         """The peak of phase ``name`` (``init``, ``forward``, ``backward``, ``step``, ``checkpoint``)."""
@@ -110,7 +112,7 @@ class Plan:
             "traffic_per_step": {"all_gather": self.gathered_bytes, "reduce_scatter": self.reduced_bytes,
                                  "offload_tiers": self.tier_bytes},
             "budget": self.budget, "fits": None if self.budget is None else self.peak <= self.budget,
-            "notes": list(self.notes),
+            "notes": list(self.notes), "placement": self.placement,
         }
 
     def __str__(self) -> str:
