@@ -100,8 +100,10 @@ def test_a_budget_says_whether_the_plan_fits_and_what_to_move_when_it_does_not()
 
 def test_options_a_plan_cannot_rehearse_are_refused_not_guessed():
     model, x = _meta("stack")
-    with pytest.raises(ParamFSMError, match="does not rehearse mesh"):
-        paramfsm.plan(model, 2, example_input=x, mesh=object())
+    with pytest.raises(ParamFSMError, match="does not rehearse group"):
+        paramfsm.plan(model, 2, example_input=x, group=object())
+    with pytest.raises(ArgumentError, match="2-D mesh"):
+        paramfsm.plan(model, 2, example_input=x, mesh=(2, 2))
     with pytest.raises(ArgumentError, match="unknown option"):
         paramfsm.plan(model, 2, example_input=x, prefetch_depth=2)
     with pytest.raises(ArgumentError, match="world_size"):
@@ -125,6 +127,10 @@ def measured_job(rank, world, name, options):
     torch.manual_seed(0)
     with torch.device("meta"):
         model = build()
+    if isinstance(options.get("mesh"), tuple):  # a hybrid mesh's shape, as the plan takes it
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options = dict(options, mesh=init_device_mesh("cpu", options["mesh"]))
     rt = paramfsm.shard(model, **options)
     x = example("cpu")
     with peaks(rt) as measured:
@@ -193,6 +199,16 @@ def test_the_plan_bounds_every_phase_of_three_real_ranks(ranks3, name, options, 
     _bounds(paramfsm.plan(model, 3, example_input=x, **options), ranks3.run(measured_job, name, options, timeout=120))
 
 
+@pytest.mark.slow
+def test_the_plan_bounds_every_phase_of_a_hybrid_mesh(ranks4):
+    """Two replicas of two shards each: a plan takes the mesh's shape, (replicas, shards)."""
+    model, x = _meta("stack")
+    options = {"mesh": (2, 2), "bucket_bytes": 1}
+    plan = paramfsm.plan(model, 4, example_input=x, **options)
+    assert plan.phase("init").kinds["shards"] == paramfsm.plan(model, 2, example_input=x).phase("init").kinds["shards"]
+    _bounds(plan, ranks4.run(measured_job, "stack", options, timeout=120))
+
+
 def planned_in_job(rank, world):
     model, x = _meta("stack")
     return paramfsm.plan(model, example_input=x, bucket_bytes=1).to_dict()
@@ -220,17 +236,13 @@ def test_the_command_line_plans_a_hugging_face_config(tmp_path):
     over = run("--budget", "1KiB", "--json")
     assert over.returncode == 1, over.stderr
     assert json.loads(over.stdout)["fits"] is False
-    refused = run("--offload", "optimizer=tape")
-    assert refused.returncode == 2 and "--offload" in refused.stderr
 
 
-def budget_job(rank, world):
-    """shard(memory_budget=) under, then over, the plan's peak; the refused call changes nothing."""
+def budget_job(rank, world, peak):
+    """shard(memory_budget=) over, then at, the plan's peak; the refused call changes nothing."""
     torch.manual_seed(0)
     model = llama()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    twin, x = _meta("llama")
-    peak = paramfsm.plan(twin, world).peak
     try:
         paramfsm.shard(model, memory_budget=peak - 1)
         refused = None
@@ -240,14 +252,25 @@ def budget_job(rank, world):
     rt = paramfsm.shard(model, memory_budget=peak)
     live = rt.plan().to_dict()
     rt.close()
-    return refused, unchanged, live, paramfsm.plan(twin, world).to_dict()
+    return refused, unchanged, live
 
 
 @pytest.mark.slow
 def test_shard_refuses_a_memory_budget_its_plan_exceeds_before_changing_anything(ranks2):
     pytest.importorskip("transformers")
-    for refused, unchanged, live, planned in ranks2.run(budget_job, timeout=300):
+    twin, _ = _meta("llama")
+    planned = paramfsm.plan(twin, 2).to_dict()
+    for refused, unchanged, live in ranks2.run(budget_job, planned["peak"], timeout=300):
         assert refused is not None and "memory_budget=" in refused and "1 B over" in refused, refused
         assert "nothing was changed" in refused and "What to do:" in refused, refused
         assert unchanged, "the refused shard() changed the model"
         assert live["phases"] == planned["phases"], "rt.plan() differs from the plan of the model it shards"
+
+
+def test_the_command_lines_offload_spec_reads_each_tier_and_refuses_anything_else():
+    from paramfsm.cli import CommandError
+    from paramfsm.planning.command import _offload
+
+    assert _offload("params=disk,optimizer=cpu") == paramfsm.Offload(params="disk", optimizer="cpu")
+    with pytest.raises(CommandError, match="--offload"):
+        _offload("optimizer=tape")

@@ -37,9 +37,9 @@ OPTIMIZERS = {
 }
 #: ``shard()`` options a plan rehearses as given.
 PLANNED = ("units", "min_unit_bytes", "prefetch", "bucket_bytes", "reshard_after_forward", "retain",
-           "max_deferred_bytes", "param_dtype", "reduce_dtype", "offload")
+           "max_deferred_bytes", "param_dtype", "reduce_dtype", "offload", "mesh")
 #: ``shard()`` options a plan does not rehearse yet (a plan with one of them set is refused, not approximated).
-NOT_PLANNED = ("mesh", "group")
+NOT_PLANNED = ("group",)
 
 
 def plan(model: nn.Module, world_size: int | None = None, *, optimizer="adamw", example_input=None,
@@ -71,6 +71,12 @@ def plan(model: nn.Module, world_size: int | None = None, *, optimizer="adamw", 
         world_size = dist.get_world_size()
     if not isinstance(world_size, int) or world_size < 1:
         raise ArgumentError(f"paramfsm.plan(world_size={world_size!r}): a positive number of ranks")
+    if options.get("mesh") is not None:  # a DeviceMesh, or its shape (replicas, shards): rehearsed as a shape
+        shape = tuple(getattr(options["mesh"], "shape", options["mesh"]))
+        if len(shape) != 2 or shape[0] * shape[1] != world_size:
+            raise ArgumentError(f"paramfsm.plan(mesh={options['mesh']!r}): a 2-D mesh (replicas, shards) of "
+                                f"world_size={world_size} ranks")
+        options = dict(options, mesh=shape)
     budget_bytes = None if budget is None else parse_bytes(budget)
     given = None if activations is None else parse_bytes(activations)
     name, build, per_element = _optimizer(optimizer)
@@ -121,7 +127,7 @@ def plan_runtime(rt, **kwargs) -> Plan:
     shapes = {id(rec.param): (tuple(rec.shape), rec.shard.dtype) for rec in rt._by_id.values()}
     twin = meta_twin(rt.model, shapes, strip_hooks=True)
     options = {k: v for k, v in rt._planned.items() if v is not None or k in PLANNED}
-    return plan(twin, rt.world, **kwargs, **options)
+    return plan(twin, rt.world * (getattr(rt, "replicas", 1) or 1), **kwargs, **options)
 
 
 def _advice(result: Plan) -> str:

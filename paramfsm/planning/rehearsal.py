@@ -236,6 +236,10 @@ def rehearse(model: nn.Module, world_size: int, example_input, build_optimizer, 
         raise ParamFSMError("paramfsm.plan: the model must be built on the meta device (with "
                             "torch.device('meta'): model = build()), so that planning allocates nothing")
     with fake_world(world_size), meta.rehearsing():
+        if shard_options.get("mesh") is not None:  # a hybrid mesh's shape: (replicas, shards)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shard_options = dict(shard_options, mesh=init_device_mesh("cpu", tuple(shard_options["mesh"])))
         rt = paramfsm.shard(model, device="meta", **shard_options)
         try:
             return _steps(rt, model, example_input, build_optimizer, state_bytes_per_element, async_save)
