@@ -271,6 +271,6 @@ def test_the_command_lines_offload_spec_reads_each_tier_and_refuses_anything_els
     from paramfsm.cli import CommandError
     from paramfsm.planning.command import _offload
 
-    assert _offload("params=disk,optimizer=cpu") == paramfsm.Offload(params="disk", optimizer="cpu")
+    assert _offload("params=cpu,optimizer=cpu") == paramfsm.Offload(params="cpu", optimizer="cpu")
     with pytest.raises(CommandError, match="--offload"):
         _offload("optimizer=tape")

@@ -38,6 +38,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prefetch", type=int, help="shard(prefetch=...)")
     parser.add_argument("--min-unit-bytes", type=int, metavar="BYTES", help="shard(min_unit_bytes=...)")
     parser.add_argument("--offload", metavar="SPEC", help="params=disk,optimizer=cpu,...: shard(offload=...)")
+    parser.add_argument("--offload-path", metavar="DIR", help="the folder of the disk tiers (nothing is written "
+                        "to it: a plan only names it)")
     parser.add_argument("--json", action="store_true", help="print plan.to_dict() as JSON instead of the table")
     parser.set_defaults(func=_plan)
 
@@ -54,7 +56,7 @@ def _plan(args) -> int:
     options = {name: value for name, value in (
         ("param_dtype", getattr(torch, args.param_dtype) if args.param_dtype else None),
         ("prefetch", args.prefetch), ("min_unit_bytes", args.min_unit_bytes),
-        ("offload", _offload(args.offload) if args.offload else None)) if value is not None}
+        ("offload", _offload(args.offload, args.offload_path) if args.offload else None)) if value is not None}
     optimizer = args.optimizer
     if optimizer == "none":
         optimizer = None
@@ -113,8 +115,9 @@ def _built(target: str):
     return built if isinstance(built, tuple) else (built, None)
 
 
-def _offload(spec: str):
-    """``params=disk,optimizer=cpu`` -> ``paramfsm.Offload(params="disk", optimizer="cpu")``."""
+def _offload(spec: str, path: str | None = None):
+    """``params=disk,optimizer=cpu`` -> ``paramfsm.Offload(params="disk", optimizer="cpu", path=...)`` (a plan
+    writes nothing to ``path``; without one, disk tiers are planned in the current folder's name)."""
     import paramfsm
     from paramfsm.cli import CommandError
 
@@ -124,4 +127,6 @@ def _offload(spec: str):
         if key.strip() not in ("params", "grads", "optimizer") or value.strip() not in ("cpu", "disk"):
             raise CommandError(f"--offload {spec!r}: expected params=, grads=, optimizer= each cpu or disk", status=2)
         fields[key.strip()] = value.strip()
+    if "disk" in fields.values():
+        fields["path"] = path or "."
     return paramfsm.Offload(**fields)

@@ -1,7 +1,7 @@
 """The peaks a live runtime reaches, counted as a plan counts them: the check that a plan holds.
 
 ``with paramfsm.planning.measure.peaks(rt, optimizer) as measured:`` puts the rehearsal's
-:class:`~paramfsm.planning.rehearsal.Sampler` where the runtime's trace sits, so every transition of the
+:class:`~paramfsm.planning.sampler.Sampler` where the runtime's trace sits, so every transition of the
 real run is counted the same way the plan counted the rehearsed one; ``measured.phase("forward")`` names
 the phase that follows. ``measured.result()`` gives ``{phase: (total, by kind, unit, event)}`` like a
 rehearsal's. It costs one pass over the records per transition: for tests and benchmarks, not training.
@@ -12,18 +12,23 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from paramfsm.planning.rehearsal import Sampler, optimizer_state_bytes, reduce_buffer_bytes
+from paramfsm.planning.sampler import Sampler
 
 
 class Measured:
     """The peaks of a live runtime, by phase (see the module docstring)."""
 
     def __init__(self, rt, optimizer):
-        self.optimizer = optimizer  # whose state counts (it may be set once the optimizer is built)
-        extras = lambda: {  # noqa: E731
-            "optimizer_state": optimizer_state_bytes(self.optimizer) if self.optimizer is not None else 0,
-            "reduce_buffers": reduce_buffer_bytes(rt.executor), "checkpoint_staging": 0}
-        self.sampler = Sampler(rt, rt.scheduler.ctx.trace, extras)
+        self.sampler = Sampler(rt, rt.scheduler.ctx.trace, optimizer=optimizer)
+
+    @property
+    def optimizer(self):
+        """Whose state counts (it may be set once the optimizer is built)."""
+        return self.sampler.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer) -> None:
+        self.sampler.optimizer = optimizer
 
     def phase(self, name: str) -> None:
         """The phase the next transitions belong to; what is held now counts in it too."""

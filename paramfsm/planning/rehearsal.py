@@ -15,7 +15,7 @@ its gathers and reduce-scatters, over tensors that have a size and no
 storage: nothing is allocated, so a 70B model plans on a laptop.
 
 The runtime counts what it holds from the states (:func:`paramfsm.memory.memory`,
-the figures ``rt.memory()`` reports). The rehearsal puts a :class:`Sampler`
+the figures ``rt.memory()`` reports). The rehearsal puts a :class:`~paramfsm.planning.sampler.Sampler`
 where the runtime's trace sits: every transition the FSM takes calls it, and
 it adds up the bytes held right then, by kind, keeping each phase's largest
 total with the unit and the event that reached it. A meta tensor carries no
@@ -40,21 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paramfsm import memory as runtime_memory
 from paramfsm import meta
-from paramfsm.core.fsm import TAGS
-from paramfsm.engine.storage import paged
 from paramfsm.errors import ParamFSMError
-
-#: What a plan counts in working memory, per rank, in the order it reports them (a phase's total is their sum).
-KINDS = ("shards", "shard_grads", "optimizer_state", "gathered", "inflight", "deferred", "unsynced_grads",
-         "reduce_buffers", "checkpoint_staging")
-#: What offload tiers hold apart from working memory (host memory, disk): reported, not in a total. Under
-#: offload ``shards``, ``shard_grads`` and ``optimizer_state`` count only the values resident in working memory.
-TIER_KINDS = ("tier_cpu", "tier_disk")
-#: The phases of a step, in order.
-PHASES = ("init", "forward", "backward", "step", "checkpoint")
-
+from paramfsm.planning.sampler import KINDS, PHASES, TIER_KINDS, Sampler, optimizer_state_bytes  # noqa: F401
 
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
@@ -70,117 +58,6 @@ def fake_world(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-class Sampler:
-    """Stands where the runtime's trace sits: after each transition, the bytes held by kind (see the module's note).
-
-    ``extra()`` returns the bytes of the kinds the states do not give (optimizer state, reduce buffers, staging).
-    """
-
-    def __init__(self, rt, trace, extra):
-        self.rt, self.trace, self.extra = rt, trace, extra
-        self.phase = PHASES[0]
-        self.peaks: dict[str, tuple[int, dict, str, str]] = {}  # phase -> (total, by kind, unit, event)
-        self.last = ("", "shard")  # the transition the states now held follow from
-        # [Note: a sample counts the states by their transitions]
-        # Adding up every record's bytes at every transition would make a plan of a 70B model take minutes
-        # (a step is thousands of transitions over hundreds of records). So the bytes of the states that hold
-        # a full parameter are kept as running totals, moved by each transition from the kind of its source
-        # state to that of its destination, and the shard gradients are added up again only when a
-        # reduce-scatter was issued or completed since (the only moments they appear). Under offload (shards
-        # paged in and out outside these machines) and at world 1 (full parameters are views of the shards)
-        # every sample adds up every record, as rt.memory() does.
-        self.exact = getattr(rt, "offload", None) is not None or rt.world == 1
-        held = runtime_memory.memory(rt)
-        self.states = {kind: held[kind] for kind in _STATE_KIND.values()}
-        self.grads, self.grads_at = held["shard_grads"], None
-        self.shards = held["shards"]  # fixed without offload
-
-    # The trace's interface, as paramfsm.core.fsm.step and step_many call it.
-    # [Note: a sample follows the transition it names]
-    # ``step`` calls ``append`` after it set the record's state, ``step_many`` calls ``append_many`` before
-    # it moves its records. So ``append`` counts the states this transition made, and ``append_many`` those
-    # the transition before it made (named as that one); the states after a phase's last transition are
-    # counted by the phase's closing :meth:`sample`. Every state the runtime passes through is counted once.
-    def append(self, t_ns, ctx, rec, cell, keep_graph, retained, holds) -> None:
-        if self.trace is not None:
-            self.trace.append(t_ns, ctx, rec, cell, keep_graph, retained, holds)
-        event, src, dst, _ = TAGS[cell.tag]
-        self._move((rec,), src, dst)
-        self.last = (getattr(rec, "unit", "") or "", event)
-        self.sample()
-
-    def append_many(self, t_ns, ctx, records, cell, keep_graph, retained, holds) -> None:
-        if self.trace is not None:
-            self.trace.append_many(t_ns, ctx, records, cell, keep_graph, retained, holds)
-        self.sample()
-        event, src, dst, _ = TAGS[cell.tag]
-        self._move(records, src, dst)
-        first = records[0] if records else None
-        self.last = (getattr(first, "unit", "") or "", event)
-
-    def __getattr__(self, name):  # anything else of the trace (its mode, its records) is the trace's
-        return getattr(self.trace, name)
-
-    def _move(self, records, src: str, dst: str) -> None:
-        """Move the full-parameter bytes of ``records`` from ``src``'s kind to ``dst``'s."""
-        before, after = _STATE_KIND.get(src), _STATE_KIND.get(dst)
-        if before == after or self.exact:
-            return
-        nbytes = sum(rec.numel * rec.compute_dtype.itemsize for rec in records if hasattr(rec, "compute_dtype"))
-        if before is not None:
-            self.states[before] -= nbytes
-        if after is not None:
-            self.states[after] += nbytes
-
-    def counted(self) -> dict[str, int]:
-        """What is held now, by kind (see [Note: a sample counts the states by their transitions])."""
-        held = dict.fromkeys(KINDS + TIER_KINDS, 0)
-        if self.exact:
-            found = runtime_memory.memory(self.rt)
-        else:
-            executor = self.rt.executor
-            moment = (executor.counters.reduce_scatters, len(executor._reduces), self.phase)
-            if moment != self.grads_at:
-                self.grads_at = moment
-                self.grads = sum(rec.shard.grad.numel() * rec.shard.grad.element_size()
-                                 for rec in self.rt._by_id.values() if rec.shard.grad is not None)
-            found = {"shards": self.shards, "shard_grads": self.grads, **self.states,
-                     "unsynced_grads": executor.unsynced.nbytes}
-        for kind, value in found.items():
-            if kind in held:
-                held[kind] += value
-        for kind, value in self.extra().items():
-            held[kind] += value
-        return held
-
-    def sample(self, unit: str | None = None, event: str | None = None) -> None:
-        """Count what is held now (after the last transition, or after ``event`` of ``unit``); keep it if it is
-        the phase's largest total so far."""
-        if event is not None:
-            self.last = (unit or "", event)
-            self.grads_at = None  # a step or zero_grad between transitions changes the shard gradients
-        held = self.counted()
-        total = sum(held[kind] for kind in KINDS)
-        best = self.peaks.get(self.phase)
-        if best is None or total > best[0]:
-            self.peaks[self.phase] = (total, held, *self.last)
-
-
-#: The kinds of memory the parameter machine's states hold (a full parameter each), by state name.
-_STATE_KIND = {"AVAILABLE": "gathered", "INFLIGHT": "inflight", "DEFERRED_RELEASE": "deferred"}
-
-
-def reduce_buffer_bytes(executor) -> int:
-    """Full gradients waiting for their bucket's reduce-scatter, and each issued reduce-scatter's input and
-    output (its input holds the bucket's full gradients until it completes: [Note: a big gradient is reduced in
-    place] in paramfsm.engine.effects.executor)."""
-    pending = executor._grad_bytes
-    for _, records, layout in executor._reduces:
-        itemsize = (executor.reduce_dtype or records[0].compute_dtype).itemsize
-        pending += layout.total * (executor.world + 1) * itemsize
-    return pending
 
 
 def tensors_of(tree) -> list[torch.Tensor]:
@@ -212,13 +89,6 @@ def saved_activation_bytes(found: list) -> Iterator[None]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield
-
-
-def optimizer_state_bytes(optimizer, resident: bool = True) -> int:
-    """Bytes of every tensor of ``optimizer``'s per-parameter state (its step counters included); with
-    ``resident``, only those in working memory (under offload, an offloaded tensor while it is paged in)."""
-    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
-               if isinstance(t, torch.Tensor) and not (resident and paged.is_paged_out(t)))
 
 
 def rehearse(model: nn.Module, world_size: int, example_input, build_optimizer, state_bytes_per_element,
@@ -256,20 +126,15 @@ def _steps(rt, model, example_input, build_optimizer, state_bytes_per_element, a
     records = list(rt._by_id.values())
     shard_elements = sum(rec.shard.numel() for rec in records)
     shard_bytes = sum(rec.shard.numel() * rec.shard.element_size() for rec in records)
-    extra = {"optimizer_state": 0, "checkpoint_staging": 0}
+    extra = {"optimizer_state": 0, "checkpoint_staging": 0}  # state given per element; a save's staged copy
     optimizer = None
-
-    def extras() -> dict:  # the optimizer's state as it is now: under offload, a unit's while it steps
-        live = {"optimizer_state": optimizer_state_bytes(optimizer)} if optimizer is not None else {}
-        return {**extra, **live, "reduce_buffers": reduce_buffer_bytes(rt.executor)}
-
     ctx = rt.scheduler.ctx
-    sampler = Sampler(rt, ctx.trace, extras)
+    sampler = Sampler(rt, ctx.trace, lambda: extra)
     ctx.trace = sampler
     rt.init_weights(lambda module: None)  # streams module by module, as a real init does
     sampler.sample("", "init end")
     if build_optimizer is not None:
-        optimizer = build_optimizer(list(rt.shard_parameters()))
+        optimizer = sampler.optimizer = build_optimizer(list(rt.shard_parameters()))
     activations = [0]
     before = dict(rt.counters)
     for _ in range(STEPS):
