@@ -274,3 +274,40 @@ def test_the_command_lines_offload_spec_reads_each_tier_and_refuses_anything_els
     assert _offload("params=cpu,optimizer=cpu") == paramfsm.Offload(params="cpu", optimizer="cpu")
     with pytest.raises(CommandError, match="--offload"):
         _offload("optimizer=tape")
+
+
+def agreeing_job(rank, world):
+    """After every transition of two real steps, the sampler's running totals against rt.memory()'s count."""
+    from paramfsm import memory
+    from paramfsm.planning.sampler import Sampler
+
+    torch.manual_seed(0)
+    model = stack()
+    rt = paramfsm.shard(model, bucket_bytes=1, prefetch=2)
+    opt = torch.optim.AdamW(model.parameters())
+    differ = []
+
+    class Checking(Sampler):
+        def sample(self, unit=None, event=None):
+            super().sample(unit, event)
+            counted, held = self.counted(), memory.memory(rt)
+            for kind in ("shards", "shard_grads", "gathered", "inflight", "deferred", "unsynced_grads"):
+                if counted[kind] != held[kind]:
+                    differ.append((self.last, kind, counted[kind], held[kind]))
+
+    ctx = rt.scheduler.ctx
+    ctx.trace = checking = Checking(rt, ctx.trace, optimizer=opt)
+    for _ in range(2):
+        model(torch.ones(BATCH, WIDTH)).mean().backward(retain_graph=False)
+        checking.sample("", "backward end")
+        opt.step()
+        opt.zero_grad()
+    ctx.trace = checking.trace
+    rt.close()
+    return differ[:5], len(checking.peaks)
+
+
+@pytest.mark.slow
+def test_the_samplers_running_totals_agree_with_rt_memory_after_every_transition(ranks2):
+    for differ, phases in ranks2.run(agreeing_job, timeout=120):
+        assert differ == [] and phases == 1, differ

@@ -14,7 +14,8 @@ thousands of transitions over hundreds of records). So a sample reads only what 
 * offloaded values (shards, shard gradients, optimizer state with ``offload=``) are the placements of the
   residency machine's resident set (in use, kept, or paged in ahead), a unit or two at a time;
 * shards that are not offloaded are fixed; their gradients are added up again only when a reduce-scatter
-  was issued or completed since (the only moments they appear), and the optimizer's state of the values
+  was issued or completed since (the only moments they appear) or ``zero_grad`` dropped them (the first
+  one is another tensor, or none), and the optimizer's state of the values
   it does not offload only when it holds state for more parameters than before (its first step);
 * what the tiers hold is added up again only when a tier placed a new slot.
 
@@ -138,7 +139,8 @@ class Sampler:
             held.update({k: v for k, v in runtime_memory.memory(rt).items() if k in held})
             held["optimizer_state"] = optimizer_state_bytes(self.optimizer) if self.optimizer is not None else 0
         else:
-            moment = (executor.counters.reduce_scatters, len(executor._reduces), self.phase)
+            first = self.grad_records[0].shard.grad if self.grad_records else None  # zero_grad drops it
+            moment = (executor.counters.reduce_scatters, len(executor._reduces), self.phase, id(first))
             if moment != self.grads_at:
                 self.grads_at = moment
                 self.grads = sum(rec.shard.grad.numel() * rec.shard.grad.element_size()
