@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paramfsm.errors import ArgumentError, ParamFSMError
+from paramfsm.rank_errors import agreed
 from paramfsm.planning import budget as budget_search
 from paramfsm.planning.report import Plan, PhasePeak, parse_bytes, size
 from paramfsm.planning.twin import meta_twin
@@ -111,7 +112,9 @@ def refuse_over_budget(model: nn.Module, budget, group, options: dict) -> None:
     """``shard(..., memory_budget=budget)``: raise, before anything changes, when the plan of ``model`` with
     ``options`` over ``group``'s ranks exceeds ``budget`` (every rank plans alike, so every rank raises)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    result = plan(model, world, budget=budget, **{k: v for k, v in options.items() if v is not None or k in PLANNED})
+    with agreed(group, "paramfsm.shard(memory_budget=...)'s plan"):  # a child that fails on one rank only
+        result = plan(model, world, budget=budget,
+                      **{k: v for k, v in options.items() if v is not None or k in PLANNED})
     if not result.fits(result.budget):
         unrehearsed = "" if any(p.phase == "backward" for p in result.phases) else (
             " (forward and backward were not rehearsed: shard() has no example input for this model; "
