@@ -151,3 +151,17 @@ def _output_check_job(rank, world):
 
 def test_the_output_check_fails_a_value_that_differs(ranks2):
     assert ranks2.run(_output_check_job) == ["output", "output"]
+
+
+def test_saved_reproductions_of_the_refusal_patterns_stop_where_every_rank_refuses(ranks2, tmp_path):
+    """paramfsm #57's canonical patterns rendered as scripts: a write inside rt.gathered that differs by rank,
+    and a module attached after shard(), each stop with every rank refusing (exit 0 and the accepted outcome
+    named), as the runner does."""
+    shape = probe(GAN)
+    refusals = canonical(shape)[28:]
+    assert len(refusals) == 2
+    for index, program in enumerate(refusals):
+        path = tmp_path / f"repro_refusal_{index}.py"
+        path.write_text(render(program, GAN, per_rank=2, seed=0, world=2, parts=shape.parts), encoding="utf-8")
+        for status, output in ranks2.run(run_saved, str(path)):
+            assert status == 0 and "stopped: every rank raised" in output, (index, output)

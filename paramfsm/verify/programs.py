@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from paramfsm.verify.accumulation_intents import ACCUMULATION_KINDS, AccumulationIntents
 from paramfsm.verify.ops import (  # noqa: F401 - the vocabulary, re-exported for existing imports
     AUTO_MODES, BATCHES, CLIP_NORM_TYPES, CLIP_NORMS, GRAD_MODES, LOSS_VARIANTS, MODES, PENALTY_WEIGHT, Backward,
-    Checkpoint, Clip, ClosureStep, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite,
+    Attach, Checkpoint, Clip, ClosureStep, Config, Drop, Evaluate, Flush, Forward, FullState, Gathered, GatheredWrite,
     GradSync, Interrupted, Loss, NoSync, Op, Overflow, PartStep, PartZeroGrad, Penalty, Program, RankLoss, RequiresGrad, Restore,
     Save, Shape, Step, SubForward, SyncGradients, UNIT_CHOICES, Unscale, ZeroGrad,
 )
