@@ -312,3 +312,22 @@ def agreeing_job(rank, world):
 def test_the_samplers_running_totals_agree_with_rt_memory_after_every_transition(ranks2):
     for differ, phases in ranks2.run(agreeing_job, timeout=120):
         assert differ == [] and phases == 1, differ
+
+
+def test_the_command_line_plans_a_model_a_function_builds_with_its_offload(tmp_path):
+    (tmp_path / "my_models.py").write_text(
+        "import torch\nfrom torch import nn\n\n\ndef build():\n"
+        "    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))\n"
+        "    return model, torch.empty(8, 256, device='meta')\n")
+    shown = subprocess.run([sys.executable, "-m", "paramfsm", "plan", "--model", "my_models:build", "--world", "2",
+                            "--offload", "params=cpu,optimizer=cpu", "--json"], capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    found = json.loads(shown.stdout)
+    assert set(found["phases"]) == set(PHASES) and found["traffic_per_step"]["offload_tiers"] > 0, found
+    shards = 4 * 256 * 257 * 4 // 2  # every Linear's weight and bias, fp32, half per rank
+    assert found["phases"]["init"]["kinds"]["tier_cpu"] == shards, found
+    assert found["phases"]["checkpoint"]["kinds"]["tier_cpu"] >= 3 * shards, found  # and AdamW's two moments
+    missing = subprocess.run([sys.executable, "-m", "paramfsm", "plan", "--model", "my_models", "--world", "2"],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert missing.returncode == 2 and "MODULE:FUNCTION" in missing.stderr, missing.stderr
