@@ -112,12 +112,34 @@ def test_options_a_plan_cannot_rehearse_are_refused_not_guessed():
         paramfsm.plan(model, 2, example_input=x, optimizer="lion")
 
 
+class HeadFirst(nn.Module):
+    """Its first module holding parameters is not the first its forward runs: a guessed input does not fit."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 4)
+        self.body = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
 def test_without_an_example_input_forward_and_backward_are_not_rehearsed_and_the_plan_says_so():
-    model, _ = _meta("stack")
+    with torch.device("meta"):
+        model = HeadFirst()
     plan = paramfsm.plan(model, 2, optimizer=8)
     assert [p.phase for p in plan.phases] == ["init", "step", "checkpoint"]
     assert plan.phase("step").kinds["optimizer_state"] == 2 * plan.phase("init").kinds["shards"]
     assert plan.activations is None and "example_input" in str(plan)
+
+
+def test_a_model_whose_first_layer_is_linear_is_planned_on_a_guessed_batch_of_one():
+    model, _ = _meta("stack")
+    plan = paramfsm.plan(model, 2, bucket_bytes=1)
+    given = paramfsm.plan(model, 2, bucket_bytes=1, example_input=torch.empty(1, WIDTH, device="meta"))
+    assert [p.phase for p in plan.phases] == list(PHASES)
+    assert [p.total for p in plan.phases] == [p.total for p in given.phases]
+    assert f"guessed input of shape (1, {WIDTH})" in plan.activations_source, plan.activations_source
 
 
 def measured_job(rank, world, name, options):
@@ -257,13 +279,13 @@ def budget_job(rank, world, peak):
 
 @pytest.mark.slow
 def test_shard_refuses_a_memory_budget_its_plan_exceeds_before_changing_anything(ranks2):
-    """A model with no example input: the plan rehearses init, step and checkpoint, and the refusal says so."""
+    """A model with no example input: the plan feeds its first Linear a guessed batch, and the refusal says so."""
     twin, _ = _meta("stack")
     planned = paramfsm.plan(twin, 2).to_dict()
     for refused, unchanged, live in ranks2.run(budget_job, planned["peak"], timeout=300):
         assert refused is not None and "memory_budget=" in refused and "1 B over" in refused, refused
         assert "nothing was changed" in refused and "What to do:" in refused, refused
-        assert "forward and backward were not rehearsed" in refused, refused
+        assert "guessed input of shape (1, 256)" in refused, refused  # the table, activations line included
         assert unchanged, "the refused shard() changed the model"
         assert live["phases"] == planned["phases"], "rt.plan() differs from the plan of the model it shards"
 

@@ -52,8 +52,10 @@ def plan(model: nn.Module, world_size: int | None = None, *, optimizer="adamw", 
     ``optimizer``: ``"sgd"`` (with momentum), ``"adam"``, ``"adamw"``, ``"adafactor"``, a function that builds
     one from parameters, a number (bytes of state per shard element) or None. ``example_input``: what the
     model takes (a tensor, a tuple of positional or a dict of keyword arguments, on the meta device, or a
-    function returning one); a Hugging Face model gets ``input_ids`` of shape (1, 128) when it is None.
-    Without one only ``init``, ``step`` and ``checkpoint`` are rehearsed. ``activations``: bytes, or a size
+    function returning one); a Hugging Face model gets ``input_ids`` of shape (1, 128) when it is None, and
+    a model whose first layer is a ``Linear`` or an ``Embedding`` a batch of one for it (the activations line
+    says so). Without one, or when the model does not take the guess, only ``init``, ``step`` and
+    ``checkpoint`` are rehearsed. ``activations``: bytes, or a size
     string, the model's own activations per rank (default: those saved for backward on the example input).
     ``budget``: bytes per rank (or ``"20GiB"``); the plan says whether it fits, and when it does not, the least
     costly placement that does (``plan.placement``, :mod:`paramfsm.planning.budget`). ``async_save``: the checkpoint
@@ -81,18 +83,29 @@ def plan(model: nn.Module, world_size: int | None = None, *, optimizer="adamw", 
     budget_bytes = None if budget is None else parse_bytes(budget)
     given = None if activations is None else parse_bytes(activations)
     name, build, per_element = _optimizer(optimizer)
+    guessed = example_input is None and _hf_input(model) is None
     if example_input is None:
-        example_input = _hf_input(model)
+        example_input = _hf_input(model) or _first_layer_input(model)
     planned = {k: v for k, v in options.items() if k in PLANNED}
 
     def rehearsed(extra: dict) -> Plan:
+        nonlocal example_input
         job = (meta_twin(model), world_size, example_input, name, per_element, {**planned, **extra}, async_save)
-        found = _in_child(job) if dist.is_initialized() else _rehearse(job, build)
+        try:
+            found = _in_child(job) if dist.is_initialized() else _rehearse(job, build)
+        except Exception:  # noqa: BLE001 - a guessed input the model does not take: plan without a forward
+            if not guessed or example_input is None:
+                raise
+            example_input = None
+            return rehearsed(extra)
         measured = found["activations"]
         phases = tuple(PhasePeak(phase, *found["peaks"][phase]) for phase in
                        ("init", "forward", "backward", "step", "checkpoint") if phase in found["peaks"])
-        source = ("given" if given is not None else "saved for backward on the example input"
-                  if measured is not None else "not counted: pass activations= or example_input=")
+        source = ("given" if given is not None else
+                  f"saved for backward on a guessed input of shape {tuple(example_input.shape)}: pass "
+                  "example_input= or activations= for your batch" if guessed and measured is not None else
+                  "saved for backward on the example input" if measured is not None else
+                  "not counted: pass activations= or example_input=")
         notes = () if example_input is not None else (
             "forward and backward were not rehearsed: pass example_input= (what the model takes, on the meta "
             "device)",)
@@ -168,6 +181,18 @@ def _hf_input(model: nn.Module):
         return None
     length = min(128, getattr(config, "max_position_embeddings", 128) or 128)
     return {"input_ids": torch.zeros(1, length, dtype=torch.long, device="meta")}
+
+
+def _first_layer_input(model: nn.Module):
+    """A batch of one for the first module holding parameters, when it is a ``Linear`` (its features) or an
+    ``Embedding`` (16 indices), on the meta device; else None. A guess: a model that does not take it is
+    planned without a forward (see :func:`plan`)."""
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    if isinstance(first, nn.Linear):
+        return torch.empty(1, first.in_features, dtype=first.weight.dtype, device="meta")
+    if isinstance(first, nn.Embedding):
+        return torch.zeros(1, 16, dtype=torch.long, device="meta")
+    return None
 
 
 def _rehearse(job, build=None) -> dict:

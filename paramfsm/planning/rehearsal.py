@@ -110,7 +110,7 @@ def rehearse(model: nn.Module, world_size: int, example_input, build_optimizer, 
             from torch.distributed.device_mesh import init_device_mesh
 
             shard_options = dict(shard_options, mesh=init_device_mesh("cpu", tuple(shard_options["mesh"])))
-        rt = paramfsm.shard(model, device="meta", **shard_options)
+        rt = paramfsm.shard(model, device="meta", trace=0, **shard_options)  # no flight recorder: nothing to dump
         try:
             return _steps(rt, model, example_input, build_optimizer, state_bytes_per_element, async_save)
         finally:
