@@ -33,7 +33,7 @@ from torch import nn
 
 import paramfsm
 from paramfsm.launch import RankPool
-from paramfsm.planning.measure import peaks
+from paramfsm.planning.measure import measured_steps
 from paramfsm.planning.report import size
 
 PHASES = ("init", "forward", "backward", "step")
@@ -65,26 +65,9 @@ def job(rank, world, name, offload):
     with torch.device("meta"):
         model = build(name)
     rt = paramfsm.shard(model, offload=offload)
-    x = example(name, "cpu")
-    with peaks(rt) as measured:
-        measured.phase("init")
-        rt.init_weights(getattr(model, "_init_weights", None))
-        measured.sample("init end")
-        opt = torch.optim.AdamW(model.parameters())
-        measured.optimizer = opt
-        for _ in range(2):
-            measured.phase("forward")
-            out = model(**x) if isinstance(x, dict) else model(x)
-            measured.sample("forward end")
-            measured.phase("backward")
-            (out.logits if hasattr(out, "logits") else out).float().mean().backward()
-            measured.sample("backward end")
-            measured.phase("step")
-            opt.step()
-            measured.sample("optimizer step")
-            opt.zero_grad()
+    found = measured_steps(rt, model, example(name, "cpu"))
     rt.close()
-    return {phase: total for phase, (total, *_) in measured.result().items()}
+    return found
 
 
 def deepspeed_estimate(model: nn.Module, world: int, offload) -> int:

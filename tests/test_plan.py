@@ -19,7 +19,7 @@ from torch import nn
 
 import paramfsm
 from paramfsm.errors import ArgumentError, ParamFSMError
-from paramfsm.planning.measure import peaks
+from paramfsm.planning.measure import measured_steps
 from paramfsm.planning.rehearsal import KINDS, PHASES, TIER_KINDS
 from paramfsm.testing.models import mlp
 
@@ -154,28 +154,9 @@ def measured_job(rank, world, name, options):
 
         options = dict(options, mesh=init_device_mesh("cpu", options["mesh"]))
     rt = paramfsm.shard(model, **options)
-    x = example("cpu")
-    with peaks(rt) as measured:
-        measured.phase("init")
-        rt.init_weights(getattr(model, "_init_weights", None))  # a Hugging Face model's own initialiser
-        measured.sample("init end")
-        opt = torch.optim.AdamW(model.parameters())
-        measured.optimizer = opt
-        for _ in range(2):
-            measured.phase("forward")
-            out = model(**x) if isinstance(x, dict) else model(x)
-            measured.sample("forward end")
-            measured.phase("backward")
-            parts = [out.logits] if hasattr(out, "logits") else [out]
-            torch.stack([t.float().mean() for t in parts]).sum().backward()
-            measured.sample("backward end")
-            measured.phase("step")
-            opt.step()
-            measured.sample("optimizer step")
-            measured.phase("checkpoint")
-            opt.zero_grad()
+    found = measured_steps(rt, model, example("cpu"))
     rt.close()
-    return {phase: total for phase, (total, *_) in measured.result().items()}
+    return found
 
 
 CASES = [pytest.param("stack", {"bucket_bytes": 1, "prefetch": 1}, id="stack-prefetch1"),

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch
+
 from paramfsm.planning.sampler import Sampler
 
 
@@ -53,3 +55,31 @@ def peaks(rt, optimizer=None) -> Iterator[Measured]:
         yield measured
     finally:
         ctx.trace = measured.sampler.trace
+
+
+def measured_steps(rt, model, example_input, optimizer=torch.optim.AdamW, steps: int = 2) -> dict:
+    """What a plan rehearses, run for real on ``rt`` (a model built on the meta device and sharded):
+    ``rt.init_weights()`` (a Hugging Face model's own initialiser), then ``steps`` steps of a forward of
+    ``example_input``, a backward of its floating-point outputs, ``optimizer``'s step and ``zero_grad``, each
+    phase counted; returns ``{phase: total}``. The check the tests and ``benchmarks/plan_accuracy.py`` hold a
+    plan to."""
+    from paramfsm.planning.rehearsal import tensors_of
+
+    with peaks(rt) as measured:
+        measured.phase("init")
+        rt.init_weights(getattr(model, "_init_weights", None))
+        measured.sample("init end")
+        opt = measured.optimizer = optimizer(model.parameters())
+        for _ in range(steps):
+            measured.phase("forward")
+            out = model(**example_input) if isinstance(example_input, dict) else model(example_input)
+            measured.sample("forward end")
+            measured.phase("backward")
+            torch.stack([t.float().mean() for t in tensors_of(out)]).sum().backward()
+            measured.sample("backward end")
+            measured.phase("step")
+            opt.step()
+            measured.sample("optimizer step")
+            measured.phase("checkpoint")
+            opt.zero_grad()
+    return {phase: total for phase, (total, *_) in measured.result().items()}

@@ -81,17 +81,13 @@ class HostTier:
         self.slots.clear()
 
 
-class RehearsalTier:
+class RehearsalTier(HostTier):
     """A tier that keeps sizes and versions only: a memory plan's rehearsal over meta tensors
     (:mod:`paramfsm.planning.rehearsal`) counts what ``where`` would hold and allocates nothing."""
 
     def __init__(self, where: str, rank: int):
-        self.where, self.rank = where, rank
-        self.slots: dict = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(slot.nbytes for slot in self.slots.values())
+        super().__init__(rank, pin_memory=False)
+        self.where = where
 
     def place(self, key, tensor: torch.Tensor, owner: str) -> Slot:
         slot = self.slots.get(key)
@@ -107,9 +103,6 @@ class RehearsalTier:
 
     def read(self, slot: Slot, out: torch.Tensor, owner: str) -> None:
         """A meta tensor has no values to read into."""
-
-    def close(self) -> None:
-        self.slots.clear()
 
 
 class DiskTier:
