@@ -9,6 +9,9 @@ and end mid-row (several boxes per shard) reads back exactly through plain DCP i
 
 from __future__ import annotations
 
+import contextlib
+import re
+
 import pytest
 import torch
 
@@ -50,6 +53,36 @@ class Watch:
         return out, self.peak, self.residency.resident_bytes
 
 
+class Staged:
+    """The most tensor bytes one ``dcp.load`` call was handed to read into while it is on."""
+
+    def __init__(self):
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def watching(self):
+        import torch.distributed.checkpoint as dcp
+
+        read = dcp.load
+
+        def counted(state_dict, **kwargs):
+            nbytes = sum(_local(v).numel() * v.element_size() for v in state_dict.values() if torch.is_tensor(v))
+            self.peak = max(self.peak, nbytes)
+            return read(state_dict, **kwargs)
+        dcp.load = counted
+        try:
+            yield self
+        finally:
+            dcp.load = read
+
+
+def _local(value):
+    """The values a rank holds of a staged tensor: a DTensor's local part, a ShardPieces' valid flat part."""
+    if hasattr(value, "to_local"):
+        return value.to_local()
+    return getattr(value, "flat", value)
+
+
 def stream_job(rank, world, folder, pretrained):
     with torch.device("meta"):
         model = _build()
@@ -82,7 +115,14 @@ def stream_job(rank, world, folder, pretrained):
         again = _build()
     rt2 = paramfsm.shard(again, device="cpu", offload=offload)
     opt2 = torch.optim.AdamW(again.parameters(), lr=1e-2)
-    paramfsm.checkpoint.load(rt2, checkpoint, optimizer=opt2)
+    opt2.step()  # the state exists before the load, so the load's own peak is what the watch sees
+    staged = Staged()
+    with staged.watching():
+        passes["dcp load"] = Watch(rt2).measure(lambda: paramfsm.checkpoint.load(rt2, checkpoint, optimizer=opt2))[1:]
+    # A load holds one unit's shards and their AdamW moments, resident and staged; a step count is 8 bytes.
+    unit_bytes["dcp load"] = 3 * unit_bytes["init"]
+    passes["dcp load staging"] = (staged.peak, 0)
+    unit_bytes["dcp load staging"] = 3 * unit_bytes["init"] + 8 * 2 * len(residency.optim)
     restored = rt2.full_state_dict()
     moments = [sorted(k for k in opt2.state_dict()["state"][i]) for i in opt2.state_dict()["state"]]
     rt2.close()
@@ -171,3 +211,65 @@ def test_a_save_of_shards_spanning_rows_loads_into_a_plain_model(ranks2, tmp_pat
         assert set(loaded) == set(saved)
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), f"rank {rank}: {key} read back differs from what was saved"
+
+
+def failing_load_job(rank, world, folder, fail_at):
+    """Save, change the values, then load with rank 1's ``fail_at``-th DCP read failing (0: none)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    offload = paramfsm.Offload(params="disk", optimizer="disk", path=f"{folder}/tier")
+    torch.manual_seed(0)
+    model = _build()
+    rt = paramfsm.shard(model, offload=offload)
+    saved = rt.full_state_dict()
+    paramfsm.checkpoint.save(rt, f"{folder}/ck")
+    changed = {k: v + 1 for k, v in saved.items()}
+    rt.load_full_state_dict(changed)
+    read, calls = FileSystemReader.read_data, [0]
+
+    def flaky(self, plan, planner):
+        calls[0] += 1
+        if rank == 1 and calls[0] == fail_at:
+            raise OSError(5, "Input/output error")
+        return read(self, plan, planner)
+    FileSystemReader.read_data = flaky
+    try:
+        paramfsm.checkpoint.load(rt, f"{folder}/ck")
+        error = None
+    except paramfsm.ParamFSMError as exc:
+        error = str(exc)
+    finally:
+        FileSystemReader.read_data = read
+    try:
+        model(torch.ones(2, 8))
+        refused = None
+    except paramfsm.ParamFSMError as exc:
+        refused = str(exc)
+    after = rt.full_state_dict()
+    paramfsm.checkpoint.load(rt, f"{folder}/ck")
+    model(torch.ones(2, 8))  # a complete load lifts the refusal
+    again = rt.full_state_dict()
+    units = len(rt.units)
+    rt.close()
+    return error, refused, after, again, saved, changed, units, calls[0]
+
+
+@pytest.mark.parametrize("fail_at", [1, 3], ids=["first-unit", "part-way"])
+def test_a_streamed_load_that_fails_part_way_refuses_the_forward_until_a_load_completes(ranks2, tmp_path,
+                                                                                      fail_at):
+    for error, refused, after, again, saved, changed, units, calls in ranks2.run(failing_load_job, str(tmp_path),
+                                                                                 fail_at):
+        assert units > 3 and calls >= fail_at
+        assert error is not None and "rank 1" in error and "Input/output error" in error, error
+        for key, value in saved.items():
+            assert torch.equal(again[key], value), key  # the complete load restores every value
+        if fail_at == 1:
+            assert "unchanged" in error, error
+            assert refused is None, refused
+            for key, value in changed.items():
+                assert torch.equal(after[key], value), key  # nothing was written
+        else:
+            assert re.search(rf"{fail_at - 1} of \d+ units were loaded", error), error
+            assert refused is not None and "paramfsm.checkpoint.load failed part-way" in refused, refused
+            mixed = [torch.equal(after[key], saved[key]) for key in saved]
+            assert any(mixed) and not all(mixed), mixed  # earlier units loaded, later ones old

@@ -126,15 +126,23 @@ def sharded_state_dict(rt, layout: str = "model") -> dict:
     return _model_state(rt, layout)
 
 
-def _model_state(rt, layout: str, streaming: bool = False) -> dict:
-    """:func:`sharded_state_dict`; ``streaming``: as :func:`paramfsm.checkpoint.save` asks for it (``_shaped``)."""
+def _model_state(rt, layout: str, streaming: bool = False, stand_ins: bool = False) -> dict:
+    """:func:`sharded_state_dict`; ``streaming``: as :func:`paramfsm.checkpoint.save` asks for it (``_shaped``);
+    ``stand_ins``: every shard as a meta tensor of its shape, for a load under offload to check keys and
+    shapes and build its staging from, paging nothing in."""
     _check_layout(layout)
     where = _mesh(rt) if layout == "flat" else None
     out = {}
     for key, value in rt.model.state_dict(keep_vars=True).items():
         rec = rt._by_id.get(id(value))
-        out[key] = _shaped(rt, rec, rec.shard, where, streaming) if rec is not None else value.detach()
+        shard = rec.shard if rec is None or not stand_ins else _stand_in(rec.shard)
+        out[key] = _shaped(rt, rec, shard, where, streaming) if rec is not None else value.detach()
     return out
+
+
+def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``tensor``'s shape and dtype: its metadata, read without paging its values in."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
 def _records_by_key(rt) -> dict:
@@ -149,10 +157,17 @@ def load_sharded_state_dict(rt, state_dict) -> None:
     missing = [k for k in recs if k not in state_dict]
     if missing:
         raise ParamFSMError(f"sharded state dict is missing keys {missing[:5]}")
-    buffers = {k: v.detach() for k, v in rt.model.state_dict(keep_vars=True).items() if recs[k] is None}
-    where = None  # the flat DTensors' mesh, made at the first one
     _announce_write(rt, "rt.load_sharded_state_dict()")
-    with meta.setting_values(rt, "rt.load_sharded_state_dict"), torch.no_grad():
+    with meta.setting_values(rt, "rt.load_sharded_state_dict"):
+        write_model_values(rt, recs, state_dict)
+
+
+def write_model_values(rt, recs: dict, state_dict) -> None:
+    """Copy ``state_dict``'s values of the keys in ``recs`` (key -> record, ``None`` for a buffer) into the
+    shards and buffers: :func:`load_sharded_state_dict`'s writes, and a streamed load's one unit at a time."""
+    buffers = {k: v.detach() for k, v in rt.model.state_dict(keep_vars=True).items() if recs.get(k, 0) is None}
+    where = None  # the flat DTensors' mesh, made at the first one
+    with torch.no_grad():
         for key, rec in recs.items():
             src = state_dict[key]
             if rec is None:
@@ -190,17 +205,38 @@ def _optim_names(rt, optimizer) -> dict[int, str]:
     return names
 
 
-def _init_optim_state(optimizer) -> None:
-    """Create the optimizer's state tensors (one zero-gradient step that leaves shards unchanged)."""
+def _init_optim_state(optimizer, rt=None) -> None:
+    """Create the optimizer's state tensors (one zero-gradient step that leaves shards unchanged). Under
+    ``rt``'s offload, one unit at a time, so the shards and new state stream through the tier."""
     optim.map_optimizer(optimizer)  # a new optimizer over model.parameters() is mapped at its first step
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if all(optimizer.state.get(p) for p in params):
         return
     # A whole-parameter optimizer holds the parameters: their shards take the zero gradients and the step.
     shards = [rec.shard if rec is not None else p for p, rec in zip(params, map(record_of, params))]
+    if getattr(rt, "offload", None) is None:
+        _zero_step(optimizer, shards)
+        return
+    grads = [(p, p.grad) for p in shards]
+    for p in shards:
+        p.grad = None
+    try:
+        for unit in rt.units:
+            mine = {id(rec.shard) for rec in unit.records}
+            with rt.scheduler.shard_scope(unit.records, write=True):
+                _zero_step(optimizer, [p for p in shards if id(p) in mine and not optimizer.state.get(p)])
+    finally:
+        for p, grad in grads:
+            p.grad = grad
+
+
+def _zero_step(optimizer, shards) -> None:
+    """A step of ``optimizer`` with zero gradients on ``shards`` (and none elsewhere), their values kept."""
+    if not shards:
+        return
     saved = [(p, p.detach().clone(), p.grad) for p in shards]
     for p in shards:
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
     optimizer.step()
     with torch.no_grad():
         for p, value, grad in saved:
@@ -214,8 +250,8 @@ def sharded_optim_state_dict(rt, optimizer, layout: str = "model") -> dict:
     return _optim_state(rt, optimizer, layout)
 
 
-def _optim_state(rt, optimizer, layout: str, streaming: bool = False) -> dict:
-    """:func:`sharded_optim_state_dict`; ``streaming`` as in :func:`_model_state`."""
+def _optim_state(rt, optimizer, layout: str, streaming: bool = False, stand_ins: bool = False) -> dict:
+    """:func:`sharded_optim_state_dict`; ``streaming`` and ``stand_ins`` as in :func:`_model_state`."""
     _check_layout(layout)
     where = _mesh(rt) if layout == "flat" else None
     recs = _optim_names(rt, optimizer)
@@ -227,7 +263,7 @@ def _optim_state(rt, optimizer, layout: str, streaming: bool = False) -> dict:
         for key, value in entries.items():
             name = f"{OPTIM_PREFIX}{rec.name}.{key}"
             if isinstance(value, torch.Tensor) and value.shape == rec.shard.shape and not whole:
-                out[name] = _shaped(rt, rec, value, where, streaming)
+                out[name] = _shaped(rt, rec, _stand_in(value) if stand_ins else value, where, streaming)
             else:  # a scalar, or a whole-parameter optimizer's state: the same on every rank
                 out[name] = value
     groups = []
@@ -240,10 +276,20 @@ def _optim_state(rt, optimizer, layout: str, streaming: bool = False) -> dict:
 def load_sharded_optim_state_dict(rt, optimizer, state_dict) -> None:
     """Load an optimizer state saved by :func:`sharded_optim_state_dict` (at any world size)."""
     _init_optim_state(optimizer)
-    recs = _optim_names(rt, optimizer)
+    write_optim_values(rt, optimizer, state_dict)
+    write_param_groups(optimizer, state_dict)
+
+
+def write_optim_values(rt, optimizer, state_dict, records=None, names=None) -> None:
+    """Copy ``state_dict``'s optimizer state into ``optimizer``'s (built by :func:`_init_optim_state`), for
+    every parameter, or for those whose record is in ``records`` (a streamed load's unit; ``names``: its
+    :func:`_optim_names`, made once for all units)."""
+    recs = names if names is not None else _optim_names(rt, optimizer)
     whole = not optim.is_elementwise(optimizer)  # its state is of whole parameters (paramfsm.whole_params)
     with torch.no_grad():
-        for index, rec in recs.items():
+        for rec in recs.values():
+            if records is not None and rec not in records:
+                continue
             key_tensor = rec.param if whole else rec.shard
             entries = optimizer.state[key_tensor]
             if any(f"{OPTIM_PREFIX}{rec.name}.{key}" not in state_dict for key in entries):
@@ -258,6 +304,10 @@ def load_sharded_optim_state_dict(rt, optimizer, state_dict) -> None:
                     entries[key].copy_(src)
                 else:
                     entries[key] = src
+
+
+def write_param_groups(optimizer, state_dict) -> None:
+    """The saved hyperparameters (learning rate, betas, ...) into ``optimizer``'s groups."""
     for group, saved in zip(optimizer.param_groups, state_dict[f"{OPTIM_PREFIX}param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import paramfsm.checkpoint as ck
 from paramfsm import meta, rank_errors
-from paramfsm.checkpoint import background, folders, layout
+from paramfsm.checkpoint import background, folders, layout, streamed_load
 from paramfsm.errors import ArgumentError, ParamFSMError
 
 logger = logging.getLogger(__name__)
@@ -211,6 +211,9 @@ def load(rt, path, optimizer=None) -> None:
     and optimizer state) that is copied into the shards only once every read
     succeeded: a checkpoint that does not fit, or fails to read, raises
     ParamFSMError on every rank and leaves the model and optimizer unchanged.
+    Under offload the load streams unit by unit through the tier instead, and
+    a read that fails part-way leaves the forward refused until a load
+    completes (:mod:`paramfsm.checkpoint.streamed_load`).
     """
     from torch.distributed.checkpoint import load as dcp_load
 
@@ -225,7 +228,8 @@ def load(rt, path, optimizer=None) -> None:
     except ParamFSMError as exc:
         error = str(exc)
     _agree(group, error)
-    own = _as_saved(rt, ck.sharded_state_dict(rt, layout="model"), metadata)
+    streams = getattr(rt, "offload", None) is not None  # [Note: a load under offload streams through the tier]
+    own = _as_saved(rt, ck._model_state(rt, "model", stand_ins=streams), metadata)
     _agree(group, _model_mismatch(own, _model_shapes(rt), metadata, folders.read_manifest(folder), path))
     if optimizer is not None:
         groups = f"{ck.OPTIM_PREFIX}param_groups"
@@ -234,21 +238,28 @@ def load(rt, path, optimizer=None) -> None:
                      "nothing was loaded. What to do: load it without optimizer=, or load a checkpoint saved "
                      "with save(rt, path, optimizer=opt)")
         _agree(group, error)
-        ck._init_optim_state(optimizer)
+        ck._init_optim_state(optimizer, rt)
         # A parameter without optimizer state when the checkpoint was saved (no gradient yet) has none
         # saved: it is not asked for, and loads as plain torch's load_state_dict leaves it, without state.
-        optim_state = ck.sharded_optim_state_dict(rt, optimizer, layout="model")
+        optim_state = ck._optim_state(rt, optimizer, "model", stand_ins=streams)
         wanted = _as_saved(rt, {key: value for key, value in optim_state.items() if key in metadata or key == groups},
                            metadata)
         _agree(group, _shape_mismatch(wanted, metadata, path))
         own.update(wanted)
-    staged = _empty_like(own)
-    try:
-        dcp_load(staged, checkpoint_id=str(folder), process_group=group)
-    except _errors() as exc:
-        error = (f"paramfsm.checkpoint.load of '{path}' failed reading its files ({_describe(exc)}); the model "
-                 "and optimizer are unchanged. What to do: load another complete checkpoint")
-    _agree(group, error)
+    def read(staged: dict, left: str) -> dict:
+        failure = None
+        try:
+            dcp_load(staged, checkpoint_id=str(folder), process_group=group)
+        except _errors() as exc:
+            failure = (f"paramfsm.checkpoint.load of '{path}' failed reading its files ({_describe(exc)}); {left}. "
+                       "What to do: load another complete checkpoint")
+        _agree(group, failure)
+        return staged
+
+    if streams:
+        streamed_load.load(rt, own, folder, optimizer, read)
+        return
+    staged = read(_empty_like(own), "the model and optimizer are unchanged")
     ck._announce_write(rt, "paramfsm.checkpoint.load()")
     with meta.setting_values(rt, "paramfsm.checkpoint.load"):
         ck.load_sharded_state_dict(rt, staged)
@@ -271,17 +282,23 @@ def _as_saved(rt, state: dict, metadata: dict) -> dict:
     return out
 
 
-def _empty_like(state: dict) -> dict:
-    """Tensors to read a checkpoint into, shaped and placed like ``state``'s (see :func:`load`)."""
+def _empty_like(state: dict, device=None) -> dict:
+    """Tensors to read a checkpoint into, shaped and placed like ``state``'s (see :func:`load`); a meta
+    stand-in's (a load under offload) on ``device``."""
+    def empty(tensor):
+        if tensor.is_meta and device is not None:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        return torch.empty_like(tensor)
+
     out = {}
     for key, value in state.items():
         if isinstance(value, layout.ShardPieces):
-            out[key] = value.with_flat(torch.empty_like(value.flat))
+            out[key] = value.with_flat(empty(value.flat))
         elif isinstance(value, DTensor):
-            out[key] = DTensor.from_local(torch.empty_like(value.to_local()), value.device_mesh, value.placements,
+            out[key] = DTensor.from_local(empty(value.to_local()), value.device_mesh, value.placements,
                                           run_check=False, shape=value.shape, stride=value.stride())
         elif isinstance(value, torch.Tensor):
-            out[key] = torch.empty_like(value)
+            out[key] = empty(value)
         else:
             out[key] = copy.deepcopy(value)
     return out

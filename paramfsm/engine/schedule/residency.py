@@ -237,6 +237,12 @@ class Residency:
         tier]); ``write``: the block writes them (a load, an initialisation), so they are marked changed."""
         return self._held([p for p in map(self.shards.get, records) if p is not None], write)
 
+    def using_state(self, optimizer, records, *, write: bool):
+        """The optimizer state ``optimizer`` keeps for ``records`` resident for the block, then released, as
+        :meth:`using` does for their shards (a streamed checkpoint load writes it one unit at a time)."""
+        placements = [self.optim.get((id(optimizer), rec)) for rec in records]
+        return self._held([p for p in placements if p is not None and self.tracks(p)], write)
+
     def holding(self, tensor, *, write: bool):
         """``tensor`` (an offloaded value; anything else passes through) resident for the block, then
         released: a reader outside the step (clipping) takes one value at a time, as :meth:`using` does."""

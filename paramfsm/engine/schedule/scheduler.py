@@ -290,6 +290,12 @@ class Scheduler:
         streaming through the tier] in paramfsm.engine.schedule.residency); nothing to do without offload."""
         return self.residency.using(records, write=write) if self.residency is not None else nullcontext()
 
+    def state_scope(self, optimizer, records, *, write: bool):
+        """:meth:`shard_scope` for the optimizer state ``optimizer`` keeps for ``records``."""
+        if self.residency is None:
+            return nullcontext()
+        return self.residency.using_state(optimizer, records, write=write)
+
     def write_back(self, records) -> None:
         """Write the held full copies of ``records`` back into their shards (``rt.gathered(writeback=True)``)."""
         self.emit(Event(WRITTEN_BACK, records=records))

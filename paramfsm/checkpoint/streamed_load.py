@@ -1,0 +1,105 @@
+"""A checkpoint load under offload: read and written one unit at a time, never the whole rank at once.
+
+[Note: a load under offload streams through the tier]
+Without offload, :func:`paramfsm.checkpoint.load` reads the whole checkpoint
+into a staging copy of this rank's shards and optimizer state, and writes
+nothing until every read succeeded: all or nothing, at the cost of one more
+copy of the rank's state in working memory. Under offload that copy is what
+offload exists to avoid (the state is in a tier because it does not fit),
+and writing the staged values would page every shard in at once.
+
+So under offload the load is checked first, exactly as without: every key,
+shape and the optimizer state's presence against the checkpoint's metadata,
+agreed among the ranks, before anything is read. Then it goes unit by unit,
+in unit order: DCP reads that unit's keys (its parameters under each of
+their names, and their optimizer state; the first batch also carries the
+buffers and the optimizer's hyperparameters) into a staging copy of that
+unit alone, the ranks agree that the read succeeded, and the values are
+written into the unit's shards and state while they are paged in for the
+block, then written to the tier and paged out. Working memory holds one
+unit's staging and one unit's values at a time.
+
+The price is the all-or-nothing property. A read that fails before the
+first unit is written leaves the model and optimizer unchanged, as without
+offload. A read that fails part-way leaves the earlier units loaded and the
+later ones with their old values: the values guard
+(:func:`paramfsm.meta.setting_values`) then stays on, so the model's forward
+refuses to run until a load (this one again, or any full load) completes, and
+the error says how many units were loaded. Every DCP read is collective, and
+every rank reads the same units in the same order, so the ranks' reads pair up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import paramfsm.checkpoint as ck
+from paramfsm import meta
+
+
+def batches(rt, keys, optimizer) -> list[tuple[tuple, list[str]]]:
+    """The keys of ``keys`` grouped by unit, in unit order: ``[(records, keys), ...]``. Keys of no parameter
+    (buffers, the optimizer's hyperparameters) join the first batch; a parameter in no unit, the last."""
+    by_key = ck._records_by_key(rt)
+    by_name = {rec.name: rec for rec in rt._by_id.values()}
+    owner: dict[str, object] = {}
+    for key in keys:
+        if key in by_key:
+            owner[key] = by_key[key]
+        elif key.startswith(ck.OPTIM_PREFIX):
+            owner[key] = by_name.get(key[len(ck.OPTIM_PREFIX):].rpartition(".")[0]) if optimizer else None
+        else:
+            owner[key] = None
+    out, placed = [], set()
+    for unit in rt.units:
+        records = set(unit.records)
+        out.append((unit.records, [key for key, rec in owner.items() if rec in records]))
+        placed |= records
+    rest = tuple({rec for rec in owner.values() if rec is not None and rec not in placed})
+    if rest:
+        out.append((rest, [key for key, rec in owner.items() if rec in set(rest)]))
+    loose = [key for key, rec in owner.items() if rec is None]
+    if not out:
+        out.append(((), []))
+    out[0] = (out[0][0], loose + out[0][1])
+    return [(records, keys) for records, keys in out if keys]
+
+
+def load(rt, own: dict, folder, optimizer, read) -> None:
+    """Load ``own`` (the checked state dict :func:`paramfsm.checkpoint.load` built, model and optimizer
+    state) from ``folder`` unit by unit (see the module's note). ``read(staged, what)`` reads a staging dict
+    from the checkpoint and agrees among the ranks that it succeeded, raising on every rank when not, with
+    ``what`` saying what the failure left."""
+    from paramfsm.checkpoint.saving import _empty_like
+
+    plan = batches(rt, own, optimizer)
+    device = next(iter(rt._by_id.values())).shard.device
+    by_key = ck._records_by_key(rt)
+    names = ck._optim_names(rt, optimizer) if optimizer is not None else None
+    staged = read(_empty_like({key: own[key] for key in plan[0][1]}, device),
+                  "nothing was loaded; the model and optimizer are unchanged")
+    records = tuple(rt._by_id.values())
+    rt.scheduler.shards_written(records, records, "paramfsm.checkpoint.load()", paging=False)
+    with meta.setting_values(rt, "paramfsm.checkpoint.load"):
+        for index, (unit_records, keys) in enumerate(plan):
+            if index:
+                staged = read(_empty_like({key: own[key] for key in keys}, device),
+                              f"{index} of {len(plan)} units were loaded and the rest hold their old values, so "
+                              "the model's forward is refused until a load completes")
+            _write(rt, optimizer, names, unit_records, {key: by_key[key] for key in keys if key in by_key},
+                   staged)
+            staged = None  # one unit's staging at a time
+
+
+def _write(rt, optimizer, names, records, model: dict, staged) -> None:
+    """Write one batch's staged values while its shards and optimizer state are resident (``model``: its
+    model keys and their records, ``None`` for a buffer)."""
+    with contextlib.ExitStack() as held:
+        held.enter_context(rt.scheduler.shard_scope(records, write=True))
+        if optimizer is not None:
+            held.enter_context(rt.scheduler.state_scope(optimizer, records, write=True))
+        ck.write_model_values(rt, model, staged)
+        if optimizer is not None:
+            ck.write_optim_values(rt, optimizer, staged, records=set(records), names=names)
+            if f"{ck.OPTIM_PREFIX}param_groups" in staged:
+                ck.write_param_groups(optimizer, staged)
