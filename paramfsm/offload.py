@@ -29,6 +29,7 @@ back in and removes the files; save checkpoints with :mod:`paramfsm.checkpoint`.
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import attrs
@@ -235,11 +236,12 @@ def optimizer_placement(plan_: OffloadPlan, optimizer, rec, unit_name: str, inde
 
     A new placement is added to the residency (DIRTY: its values are written to the tier before they are
     dropped). One whose tensors the optimizer no longer holds (``optimizer.load_state_dict`` replaced them)
-    is forgotten and made again from the new tensors, so the old tier copy is never read into them."""
+    is forgotten and made again from the new tensors, so the old tier copy is never read into them (see
+    [Note: a placement stands for the tensors it was made for])."""
     residency = plan_.residency
     key = (id(optimizer), rec)
     p = residency.optim.get(key)
-    if p is not None and residency.tracks(p):
+    if p is not None and p.values() and residency.tracks(p):
         return p
     if p is not None:  # its tensors were replaced (optimizer.load_state_dict): the old tier copy is stale
         residency.renew([p])
@@ -249,13 +251,38 @@ def optimizer_placement(plan_: OffloadPlan, optimizer, rec, unit_name: str, inde
     state = optimizer.state.get(rec.shard)
     if not state:
         return None
-
-    def values():
-        current = optimizer.state.get(rec.shard, {})
-        return tuple(((id(optimizer), index, name), t) for name, t in current.items()
-                     if hasattr(t, "dim") and t.dim() > 0)
+    values = _state_values(optimizer, rec, index)
     if not values():
         return None
     p = residency.optim[key] = Paged(rec.name, unit_name, "optim", values, plan_.optimizer_units[unit_name],
                                      key)
     return residency.add(p)
+
+
+def _state_values(optimizer, rec, index):
+    """The ``values`` of a placement of ``rec``'s optimizer state: the tensors the optimizer holds now, and
+    afterwards those same tensors only, while it still holds exactly them.
+
+    [Note: a placement stands for the tensors it was made for]
+    ``optimizer.load_state_dict`` (torch's own) replaces the state tensors between two steps. The
+    schedule notices at the next step (:func:`optimizer_placement`), but a page-in ahead of use may step
+    the old placement before that: the backward's last unit pages in the first unit's step values. Were
+    ``values`` to read the optimizer's state as it is now, that page-in would read the old tier copy into
+    the new, loaded tensors, and the step would run on the state the load replaced, silently. So a
+    placement keeps weak references to the tensors it was made for and gives them while the optimizer
+    still holds exactly them; once one is replaced it gives nothing, and effects on it touch nothing,
+    as a shard gradient's placement does after ``zero_grad`` (``grad_paging``).
+    """
+    def now():
+        current = optimizer.state.get(rec.shard, {})
+        return tuple(((id(optimizer), index, name), t) for name, t in current.items()
+                     if hasattr(t, "dim") and t.dim() > 0)
+    made = tuple((key, weakref.ref(t)) for key, t in now())
+
+    def values():
+        held = dict(now())
+        out = tuple((key, ref()) for key, ref in made)
+        if len(held) != len(out) or any(t is None or held.get(key) is not t for key, t in out):
+            return ()
+        return out
+    return values

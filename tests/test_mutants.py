@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from paramfsm import amp, assembly, checkpoint, full_state, gathered, grad_norm, model_changes, offload_step, optim
+from paramfsm import (amp, assembly, checkpoint, full_state, gathered, grad_norm, model_changes, offload,
+                      offload_step, optim)
 from paramfsm.checkpoint import layout as checkpoint_layout
 from paramfsm.core import replay
 from paramfsm.core.trace import Trace
@@ -67,7 +68,7 @@ def _patchable():
             _methods(GradPaging), dict(vars(DiskTier)), checkpoint.sharded_state_dict, members.install, holds.watch,
             residency._LEAVING, offload_step._step_only, optim.is_elementwise, grad_norm._owners,
             lost_writes.checked, assembly.compute_dtypes, partitioned.TracingContext, offload_step.within_step,
-            gathered.fingerprint, model_changes._on_module)
+            gathered.fingerprint, model_changes._on_module, offload._state_values)
 
 
 @pytest.mark.parametrize("name", list(faults.FAULTS))

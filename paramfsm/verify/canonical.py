@@ -81,12 +81,17 @@ CANONICAL: tuple[tuple[Config, tuple], ...] = (
     # unit's step, out after it, beside another run sharing the folder. An iteration, two micro-batches adding
     # into the paged-out gradients, two losses over a retained graph and a step, an in-place write inside
     # rt.gathered, a DCP save with the optimizer state, an iteration, that checkpoint loaded back by plain DCP in
-    # place into the runtime's state dicts, a GAN iteration (one optimizer per part), and an iteration.
+    # place into the runtime's state dicts, a GAN iteration (one optimizer per part), then a full state dict
+    # kept with torch's own optimizer state dicts, two iterations alike (the second pages in the first unit's
+    # step values ahead, in the recorded order), both loaded back, and that iteration again: opt.load_state_dict
+    # replaced the offloaded optimizer state, and the tier's old copy must never be read into it.
     (Config(offload="disk"), (("iteration", 0, 0, False), ("accumulate", 0, 1, False),
                               ("multi_loss", 0, 0, False), ("step", 0, 0, False),
                               ("gathered_write", 0, 1, True), ("save_restore", 0, 0, False),
                               ("iteration", 1, 1, False), ("save_restore", 0, 1, True),
-                              ("gan", 0, 1, True), ("iteration", 2, 2, False))),
+                              ("gan", 0, 1, True), ("save_restore", 1, 1, False), ("iteration", 2, 2, False),
+                              ("iteration", 2, 2, False), ("save_restore", 1, 1, True),
+                              ("iteration", 2, 2, False))),
     # A loss that reads another output on each rank (each rank's backward differentiates its own): rank 0's
     # from one batch's output, rank 1's from another's (the same units in the same order: it must train like
     # plain torch), a step; rank 0's from the root output, rank 1's from a unit run again on that forward's

@@ -57,6 +57,7 @@ def patterns(program: Program) -> set[str]:
             found.add("Evaluate under " + ("inference_mode" if op.inference else "no_grad"))
         elif isinstance(op, (Save, Restore)):
             way = "full state dict" if op.full else "plain DCP in place" if getattr(op, "plain", False) else "DCP"
+            way += " and opt.load_state_dict" * op.optimizer
             found.add(f"{type(op).__name__}({way})")
         if isinstance(op, Restore) and retained:
             found.add("Restore while a retained graph is alive")

@@ -130,7 +130,7 @@ class Mirror:
         self.norm = None  # the total norm of the last Clip
         self.saved: dict = {}  # the state dict before the last FullState load
         self.acts: dict[int, list] = {}  # train forward -> each slice's recorded module inputs
-        self.kept: dict[bool, tuple] = {}  # Save(full) -> (model state, optimizer states)
+        self.kept: dict[tuple, tuple] = {}  # Save.kind -> (model state, optimizer states)
         self.expected: list = []  # per slice: what paramfsm's value of the last op must equal
         self.recorded: list = []  # each slice's module inputs in the last forward
 
@@ -322,10 +322,11 @@ class Mirror:
             self.expected = [list(per_slice) for per_slice in zip(*outs)]
         elif isinstance(op, Save):
             state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            self.kept[op.full] = (state, [] if op.full else [copy.deepcopy(o.state_dict()) for o in self.opts])
+            keep = op.optimizer or not op.full
+            self.kept[op.kind] = (state, [copy.deepcopy(o.state_dict()) for o in self.opts] if keep else [])
             self.saved = state
         elif isinstance(op, Restore):
-            state, optimizer_states = self.kept[op.full]
+            state, optimizer_states = self.kept[op.kind]
             self.model.load_state_dict(state)
             for opt, saved in zip(self.opts, optimizer_states):
                 opt.load_state_dict(saved)

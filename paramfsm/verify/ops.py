@@ -265,9 +265,18 @@ class Evaluate:
 @attrs.frozen(slots=True)
 class Save:
     """Keep the model's state for a later :class:`Restore`: ``sd = rt.full_state_dict()`` (``full``), or a DCP
-    checkpoint with the optimizer state, ``paramfsm.checkpoint.save(rt, path, optimizer=opt)``."""
+    checkpoint with the optimizer state, ``paramfsm.checkpoint.save(rt, path, optimizer=opt)``.
+
+    ``optimizer`` (with ``full``): torch's own optimizer state dict too, ``copy.deepcopy(opt.state_dict())``
+    of each optimizer over the shards, as a loop that rolls back a bad step keeps it."""
 
     full: bool
+    optimizer: bool = False
+
+    @property
+    def kind(self) -> tuple[bool, bool]:
+        """Which :class:`Restore` goes back to it: ``(full, optimizer)``."""
+        return self.full, self.optimizer
 
 
 @attrs.frozen(slots=True)
@@ -280,10 +289,20 @@ class Restore:
     ``paramfsm.checkpoint.sharded_optim_state_dict(rt, opt)``, ``dcp.load(sd, checkpoint_id=path)``, then
     ``rt.load_sharded_state_dict`` and ``paramfsm.checkpoint.load_sharded_optim_state_dict``. A value of
     those dicts that is a copy rather than a view of the shard would load nothing and raise nothing.
+
+    ``optimizer`` (with ``full``): each optimizer's kept state dict loaded back too, by torch's own
+    ``opt.load_state_dict``, which replaces the optimizer's state tensors (under offload, new values the
+    tier must never be read into).
     """
 
     full: bool
     plain: bool = False
+    optimizer: bool = False
+
+    @property
+    def kind(self) -> tuple[bool, bool]:
+        """Which :class:`Save` it goes back to: ``(full, optimizer)``."""
+        return self.full, self.optimizer
 
 
 @attrs.frozen(slots=True)

@@ -85,6 +85,7 @@ def render(program: Program, factory: str, *, per_rank: int, seed: int, fail_at:
         "failed check and exits 1 while the bug is present, and exits 0 once it is fixed.",
         '"""',
         *(["import contextlib"] if "NoSync" in used else []),
+        *(["import copy"] if any(isinstance(op, Save) and op.optimizer for op in program.ops) else []),
         *(["import gc"] if program.config.compiled else []),
         "import sys",
         *(["from math import inf"] if "Clip" in used else []),
@@ -351,6 +352,10 @@ def _render_user_loop_op(op, seen: set[int], script: _Script) -> list[str]:
                       "model.train()", "check.same(outs)  # plain torch's outputs", "del outs"]
     optimizers = "enumerate(opts)" if script.parts else "[(0, opt)]"
     if isinstance(op, Save):
+        if op.full and op.optimizer:
+            return ["saved_sd_and_opt = rt.full_state_dict()",
+                    "check.full_state(saved_sd_and_opt)  # the reference's state dict",
+                    f"saved_opt = [copy.deepcopy(o.state_dict()) for _, o in {optimizers}]"]
         if op.full:
             return ["saved_sd = rt.full_state_dict()", "check.full_state(saved_sd)  # the reference's state dict"]
         return ["saved_path = check.checkpoint_dir()  # one folder for every rank, kept to the end",
@@ -358,6 +363,9 @@ def _render_user_loop_op(op, seen: set[int], script: _Script) -> list[str]:
                 '    paramfsm.checkpoint.save(rt, f"{saved_path}/{i}", optimizer=o)',
                 "check.sharded(rt.sharded_state_dict())  # each value holds this rank's Shard(0) range"]
     if isinstance(op, Restore):
+        if op.full and op.optimizer:
+            return ["rt.load_full_state_dict(saved_sd_and_opt)",
+                    f"for (_, o), state in zip({optimizers}, saved_opt):", "    o.load_state_dict(state)"]
         if op.full:
             return ["rt.load_full_state_dict(saved_sd)"]
         if op.plain:  # paramfsm.verify.loop_helpers.load_plain_dcp, written out

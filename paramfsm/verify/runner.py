@@ -85,7 +85,7 @@ from paramfsm.verify.ops import (
 from paramfsm.verify.compiled_blocks import compile_blocks
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
-    SCALER, another_run, compute_dtype, refused_shard, force_overflow, load_plain_dcp, offload_policy, perturbed, reentrant_blocks,
+    SCALER, another_run, compute_dtype, refused_shard, force_overflow, offload_policy, perturbed, reentrant_blocks, restore_state, save_state,
     forget_recoveries, quiet_recoveries, reshard_policy, unit_arguments,
 )
 
@@ -150,7 +150,7 @@ class Run:
         self.losses: dict = {}
         self.sources = {op.source for op in program.ops if isinstance(op, SubForward)}
         self.acts: dict = {}  # train forward -> the inputs each module got in it (for SubForward ops)
-        self.kept: dict = {}  # Save(full) -> the full state dict, or the DCP folder
+        self.kept: dict = {}  # Save.kind -> (the full state dict, optimizer state dicts), or the DCP folder
         self.window = contextlib.ExitStack()  # an open rt.no_sync() window (NoSync ops)
         self.interruptions = False  # an Interrupted op ran: the recoveries' dumps are removed after each op
 
@@ -307,22 +307,10 @@ class Run:
                 outs = [model(self._inputs(batch)) for batch in op.batches]
             model.train()
             self.check.same(outs)
-        elif isinstance(op, Save) and op.full:
-            self.kept[True] = rt.full_state_dict()
-            self.check.full_state(self.kept[True])
         elif isinstance(op, Save):
-            self.kept[False] = path = self.check.checkpoint_dir()
-            for i, opt in enumerate(self.opts):
-                paramfsm.checkpoint.save(rt, f"{path}/{i}", optimizer=opt)
-            self.check.sharded(rt.sharded_state_dict())
-        elif isinstance(op, Restore) and op.full:
-            rt.load_full_state_dict(self.kept[True])
-        elif isinstance(op, Restore) and op.plain:
-            for i, opt in enumerate(self.opts):
-                load_plain_dcp(rt, opt, f"{self.kept[False]}/{i}")
+            self.kept[op.kind] = save_state(rt, self.opts, op, self.check)
         elif isinstance(op, Restore):
-            for i, opt in enumerate(self.opts):
-                paramfsm.checkpoint.load(rt, f"{self.kept[False]}/{i}", optimizer=opt)
+            restore_state(rt, self.opts, op, self.kept[op.kind])
 
     def execute(self) -> Outcome:
         with quiet_recoveries():  # verify's own recoveries (an Interrupted op's, an accepted RankDesync's)

@@ -99,7 +99,7 @@ class UserLoopIntents:
     def start_user_loops(self) -> None:
         self.versions = [0] * self.shape.optimizers
         self.stepped: set[int] = set()  # parts whose optimizer has stepped (and so has state to save)
-        self.saves: set[bool] = set()  # kinds of Save taken (full, DCP)
+        self.saves: set[tuple[bool, bool]] = set()  # kinds of Save taken: (full, with the optimizer's own)
 
     def current(self, parts) -> dict:
         return {p: self.versions[p] for p in parts}
@@ -287,13 +287,14 @@ class UserLoopIntents:
         """
         if not full and len(self.stepped) < self.shape.optimizers:
             return
-        if not restore or full not in self.saves:
-            self.ops.append(Save(full))
-            self.saves.add(full)
+        optimizer = full and bool(b % 2)  # torch's own optimizer state dict, kept and loaded back
+        if not restore or (full, optimizer) not in self.saves:
+            self.ops.append(Save(full, optimizer))
+            self.saves.add((full, optimizer))
             if not restore:
                 return
             self.apply("iteration", a, b, False)
-        self.ops.append(Restore(full, plain=not full and bool(b % 2)))
+        self.ops.append(Restore(full, plain=not full and bool(b % 2), optimizer=optimizer))
         self.modified()
 
     def gathered_write(self, a: int, b: int, variant: int) -> None:

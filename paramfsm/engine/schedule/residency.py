@@ -241,7 +241,7 @@ class Residency:
         """The optimizer state ``optimizer`` keeps for ``records`` resident for the block, then released, as
         :meth:`using` does for their shards (a streamed checkpoint load writes it one unit at a time)."""
         placements = [self.optim.get((id(optimizer), rec)) for rec in records]
-        return self._held([p for p in placements if p is not None and self.tracks(p)], write)
+        return self._held([p for p in placements if p is not None and p.values() and self.tracks(p)], write)
 
     def holding(self, tensor, *, write: bool):
         """``tensor`` (an offloaded value; anything else passes through) resident for the block, then

@@ -14,7 +14,10 @@ paged-out gradients, and a second run sharing the disk tier's folder
 (:func:`paramfsm.verify.loop_helpers.another_run`), make the next step or
 gather differ from plain torch. The sixth loads nothing and raises nothing: the
 program's plain DCP restore leaves the parameters where the iteration before it
-took them, and the reference comparison after it finds them.
+took them, and the reference comparison after it finds them. The seventh also
+raises nothing: after the program's ``opt.load_state_dict`` of a kept state, the
+backward's page-in ahead of the step reads the old tier copy into the loaded
+state, and the reference comparison after the step finds it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import fcntl
 import os
 
 import paramfsm.checkpoint as ck
+from paramfsm import offload
 from paramfsm.engine.effects.paging import Pager
 from paramfsm.engine.schedule.grad_paging import GradPaging
 from paramfsm.engine.schedule.residency import Residency
@@ -100,6 +104,19 @@ def state_dict_copies():
     return patched(ck, "sharded_state_dict", make)
 
 
+def placement_follows_the_optimizer():
+    """An optimizer-state placement reads the optimizer's state as it is now, not the tensors it was made for."""
+    def make(original):
+        def _state_values(optimizer, rec, index):
+            def values():
+                current = optimizer.state.get(rec.shard, {})
+                return tuple(((id(optimizer), index, name), t) for name, t in current.items()
+                             if hasattr(t, "dim") and t.dim() > 0)
+            return values
+        return _state_values
+    return patched(offload, "_state_values", make)
+
+
 #: The entries, as the fields of :class:`~paramfsm.verify.faults.catalogue.Fault` (name, bug, source, kind,
 #: inject); the catalogue lists them after its own.
 OFFLOAD = (
@@ -142,4 +159,12 @@ OFFLOAD = (
      "elsewhere is torch.distributed.checkpoint's in-place load contract (pytorch/pytorch, "
      "torch.distributed.checkpoint.load: state_dict values are loaded in place)",
      "correctness", state_dict_copies),
+    ("placement_follows_the_optimizer",
+     "an offloaded optimizer state's placement stands for whatever the optimizer holds now, so after "
+     "opt.load_state_dict the page-in ahead of the next step reads the old tier copy into the loaded state "
+     "and the step runs on the state the load replaced",
+     "paramfsm #55 (found by verify's canonical offload program once it rolled the optimizer back with "
+     "torch's own load_state_dict); the closest elsewhere is ZeRO-Offload's optimizer swapper, keyed by "
+     "parameter rather than by the state tensors a load replaces (microsoft/DeepSpeed offload_optimizer)",
+     "correctness", placement_follows_the_optimizer),
 )
