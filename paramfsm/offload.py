@@ -35,6 +35,7 @@ from pathlib import Path
 import attrs
 
 from paramfsm.engine.effects.paging import Pager
+from paramfsm.engine.effects.streams import PAGE, DeviceStreams
 from paramfsm.engine.schedule.grad_paging import GradPaging
 from paramfsm.engine.schedule.residency import Paged, Residency
 from paramfsm import meta
@@ -56,7 +57,11 @@ class Offload:
     the most bytes of offloaded values in working memory at once, at least one
     unit's (None: only the values in use and one unit paged in ahead).
     ``pin_memory``: pin the host tier when CUDA is available. ``ratio``: the
-    fraction of the units whose optimizer state is offloaded.
+    fraction of the units whose optimizer state is offloaded. ``copy_stream``:
+    on CUDA, copy between the device and the host tier on a stream of its own,
+    so a page-in ahead of use overlaps compute (see [Note: the copy lane] in
+    :mod:`paramfsm.engine.effects.paging`); off by default until a GPU run has
+    measured it, and nothing to do on the CPU, where a host tier is read in place.
     """
 
     params: str | None = None
@@ -66,6 +71,7 @@ class Offload:
     max_resident_bytes: int | None = None
     pin_memory: bool = True
     ratio: float = 1.0
+    copy_stream: bool = False
 
     def __attrs_post_init__(self):
         for name in ("params", "optimizer", "grads"):
@@ -84,6 +90,8 @@ class Offload:
                                 "number of bytes >= 0")
         if not isinstance(self.ratio, (int, float)) or isinstance(self.ratio, bool) or not 0 <= self.ratio <= 1:
             raise ArgumentError(f"Offload(ratio={self.ratio!r}): expected a fraction between 0 and 1")
+        if not isinstance(self.copy_stream, bool):
+            raise ArgumentTypeError(f"Offload(copy_stream={self.copy_stream!r}): expected True or False")
 
 
 class OffloadPlan:
@@ -148,7 +156,7 @@ def plan(rt, offload) -> OffloadPlan | None:
                 tier = DiskTier(o.path, rt.rank, owner)
             else:
                 tier = HostTier(rt.rank, o.pin_memory)
-            pagers[key] = Pager(tier, rt.rank)
+            pagers[key] = Pager(tier, rt.rank, _copy_lane(rt, o))
         return pagers[key]
 
     try:
@@ -224,6 +232,14 @@ def _optimizer_units(units, per_unit, pager) -> dict:
                 result[unit.name] = pager(o.optimizer, o, unit.records[0].name)
         placed += unit.nbytes
     return result
+
+
+def _copy_lane(rt, o: Offload):
+    """The copy lane of a host tier (``Offload(copy_stream=True)`` on CUDA), or None."""
+    devices = {rec.shard.device for rec in rt._by_id.values()}
+    if not o.copy_stream or len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return None
+    return DeviceStreams(next(iter(devices)), lanes=(PAGE,))
 
 
 def _shard_values(rec, index):

@@ -44,7 +44,8 @@ import torch
 
 GATHER = "gather"
 REDUCE = "reduce"
-LANES = (GATHER, REDUCE)
+PAGE = "page"  # copies between working memory and the host tier (Offload(copy_stream=True); paramfsm.engine.effects.paging)
+LANES = (GATHER, REDUCE, PAGE)
 
 
 class Ticket:
@@ -76,9 +77,9 @@ class DeviceStreams:
 
     asynchronous = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, lanes=(GATHER, REDUCE)):
         self.device = torch.device(device)
-        self.lanes = {lane: torch.cuda.Stream(self.device) for lane in LANES}
+        self.lanes = {lane: torch.cuda.Stream(self.device) for lane in lanes}
 
     def launch(self, lane: str, fn: Callable[..., Any], *args) -> Ticket:
         stream = self.lanes[lane]
@@ -93,6 +94,12 @@ class DeviceStreams:
             torch.cuda.current_stream(self.device).wait_event(ticket.event)
             ticket.joined, ticket.args, ticket.event = True, (), None
         return ticket.result
+
+    def finish(self, ticket: Ticket) -> Any:
+        """:meth:`join`, and the host waits for the work too: its result is read on the host next."""
+        if not ticket.joined:
+            ticket.event.synchronize()
+        return self.join(ticket)
 
 
 class RecordingStreams:
@@ -138,6 +145,10 @@ class RecordingStreams:
             ticket.joined = True
             self.log.append(("join", ticket.lane, ticket.event))
         return ticket.result
+
+    def finish(self, ticket: Ticket) -> Any:
+        """:meth:`join`; the host has nothing more to wait for here."""
+        return self.join(ticket)
 
 
 def streams_for(device: torch.device):

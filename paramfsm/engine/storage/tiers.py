@@ -70,8 +70,10 @@ class HostTier:
             slot = self.slots[key] = Slot(tensor.numel() * tensor.element_size(), host=host)
         return _same_size(slot, tensor, owner)
 
-    def write(self, slot: Slot, tensor: torch.Tensor, version: int, owner: str) -> None:
-        slot.host.copy_(tensor.reshape(-1), non_blocking=False)
+    def write(self, slot: Slot, tensor: torch.Tensor, version: int, owner: str, non_blocking: bool = False) -> None:
+        """Copy ``tensor`` into ``slot``; ``non_blocking``: on a copy lane, which the host waits for before
+        it reads the slot (see [Note: the copy lane] in paramfsm.engine.effects.paging)."""
+        slot.host.copy_(tensor.reshape(-1), non_blocking=non_blocking and tensor.is_cuda and self.pin)
         slot.version = version
 
     def read(self, slot: Slot, out: torch.Tensor, owner: str) -> None:
@@ -98,7 +100,7 @@ class RehearsalTier(HostTier):
     def reserve(self, nbytes: int, owner: str) -> None:
         """Nothing to reserve: no disk is written."""
 
-    def write(self, slot: Slot, tensor: torch.Tensor, version: int, owner: str) -> None:
+    def write(self, slot: Slot, tensor: torch.Tensor, version: int, owner: str, non_blocking: bool = False) -> None:
         slot.version = version
 
     def read(self, slot: Slot, out: torch.Tensor, owner: str) -> None:
