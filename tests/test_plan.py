@@ -85,6 +85,14 @@ def test_a_plan_changes_nothing_and_leaves_no_process_group():
     assert plan.phase("step").kinds["optimizer_state"] == plan.phase("init").kinds["shards"]  # one momentum buffer
 
 
+def test_a_real_example_input_is_rehearsed_as_its_meta_twin():
+    model = stack()
+    on_host = paramfsm.plan(model, 2, example_input=torch.ones(BATCH, WIDTH), optimizer="sgd")
+    on_meta = paramfsm.plan(model, 2, example_input=torch.ones(BATCH, WIDTH, device="meta"), optimizer="sgd")
+    assert on_host.activations and on_host.activations == on_meta.activations
+    assert [peak.total for peak in on_host.phases] == [peak.total for peak in on_meta.phases]
+
+
 def test_a_budget_says_whether_the_plan_fits_and_what_to_move_when_it_does_not():
     model, x = _meta("stack")
     plan = paramfsm.plan(model, 2, example_input=x, budget="1GiB")

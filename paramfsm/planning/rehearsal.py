@@ -177,6 +177,9 @@ def _forward_backward(sampler, model, example_input, activations: list) -> None:
     """A forward of the example input (its saved activations counted), then a backward of its outputs."""
     sampler.phase = "forward"
     inputs = example_input() if callable(example_input) else example_input
+    # A real batch (on the host or a device) is rehearsed as its meta twin: the model's twin is on meta.
+    inputs = torch.utils._pytree.tree_map(
+        lambda value: value.to("meta") if isinstance(value, torch.Tensor) else value, inputs)
     found = [0]
     with saved_activation_bytes(found):
         if isinstance(inputs, dict):

@@ -200,6 +200,29 @@ def step_benchmark(table: Table) -> None:
                 table.add(f"two-loss step, {model}, {variant}", False, f"{detail}; FSDP2 {fsdp2}")
 
 
+def offload_benchmark(table: Table) -> None:
+    """Offload against FSDP2's CPUOffloadPolicy (step time, peak device memory) and the plan against
+    ``torch.cuda.max_memory_allocated`` (``benchmarks/offload_gpu.py``); figures, not targets."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "offload.json"
+        done = subprocess.run([sys.executable, "benchmarks/offload_gpu.py", "--json", str(out)],
+                              cwd=REPO, capture_output=True, text=True)
+        sys.stdout.write(done.stdout + done.stderr[-2000:])
+        if not out.exists():
+            table.add("offload_gpu.py", False, _last_line(done.stderr or done.stdout))
+            return
+        rows = json.loads(out.read_text())
+    baseline = rows.get("no offload", {}).get("ms")
+    for name, row in rows.items():
+        if "error" in row:
+            table.add(f"offload, {name}", name.startswith("FSDP2") and None, row["error"])
+            continue
+        detail = f"{row['ms']:.2f} ms ({row['ms'] / baseline:.2f}x no offload), peak {row['peak'] / 2**20:.0f} MiB"
+        if row.get("planned"):
+            detail += f", planned {row['planned'] / 2**20:.0f} MiB ({row['planned'] / row['peak']:.3f} of the peak)"
+        table.add(f"offload, {name}", None, detail)
+
+
 def main(argv=None) -> int:
     quick = "--quick" in (sys.argv[1:] if argv is None else argv)  # correctness stages only, no benchmarks
     try:
@@ -214,7 +237,8 @@ def main(argv=None) -> int:
         print(f"gpu-check: {REPO} is not a paramfsm checkout; run make gpu-check from one")
         return 2
     table = Table()
-    stages = (run_pytest, two_loss_runs) if quick else (run_pytest, two_loss_runs, gather_scatter, step_benchmark)
+    stages = (run_pytest, two_loss_runs) if quick else (run_pytest, two_loss_runs, gather_scatter, step_benchmark,
+                                                        offload_benchmark)
     for stage in (environment, *stages):
         try:
             if stage(table) is False:
