@@ -36,6 +36,11 @@ def memory(rt) -> dict[str, int]:
     ``tier_cpu`` and ``tier_disk``, the bytes each tier holds (shards, shard
     gradients and optimizer state), and ``offload_resident``, the bytes of
     offloaded values now in working memory.
+
+    After ``rt.reset_peak_memory()``, ``peak_<phase>`` gives each phase's
+    peak total since that reset (``init``, ``forward``, ``backward``,
+    ``step``, ``checkpoint``: the phases of ``paramfsm.plan``, counted the
+    same way; ``rt.peak_memory()`` splits them by kind).
     """
     held = dict.fromkeys(KINDS, 0)
     by_state = {State.AVAILABLE: "gathered", State.INFLIGHT: "inflight", State.DEFERRED_RELEASE: "deferred"}
@@ -58,7 +63,37 @@ def memory(rt) -> dict[str, int]:
     saves = sys.modules.get("paramfsm.checkpoint.background")
     if saves is not None and saves.pending(rt) is not None:
         held["checkpoint_staging"] = saves.staging_bytes(rt)
+    tracker = rt.scheduler.peaks
+    if tracker is not None:
+        held.update({f"peak_{phase}": peak["total"] for phase, peak in tracker.peaks().items()})
     return held
+
+
+def reset_peaks(rt) -> None:
+    """``rt.reset_peak_memory()``: count each phase's peak from now on (the first call starts the count)."""
+    if rt.scheduler.peaks is None:
+        from paramfsm.planning.measure import Tracker
+
+        rt.scheduler.peaks = Tracker(rt)
+    rt.scheduler.peaks.reset()
+
+
+def peaks(rt) -> dict:
+    """``rt.peak_memory()``: each phase's peak since the last reset, with its kinds, unit and event."""
+    tracker = rt.scheduler.peaks
+    if tracker is None:
+        from paramfsm.errors import ParamFSMError
+
+        raise ParamFSMError("rt.peak_memory(): no peaks are counted yet. What to do: call rt.reset_peak_memory() "
+                            "first (the count starts there: it costs a sample per transition)")
+    return tracker.peaks()
+
+
+def phase(rt, name: str) -> None:
+    """Mark the phase that begins (a checkpoint save) when ``rt``'s peaks are counted."""
+    tracker = rt.scheduler.peaks
+    if tracker is not None:
+        tracker.phase(name)
 
 
 def describe(held: dict[str, int]) -> str:

@@ -317,6 +317,8 @@ def _announce_writes(optimizer, writers) -> None:
     """
     why = f"{type(optimizer).__name__}.step()"
     for scheduler, records in writers:
+        if scheduler.peaks is not None:  # rt.reset_peak_memory(): this optimizer's state counts from now on
+            scheduler.peaks.stepping(optimizer)
         paging = getattr(scheduler, "offload_plan", None) is None  # else stepped unit by unit, paging itself
         scheduler.shards_written(records, tuple([rec for rec in records if rec.shard.grad is not None]), why,
                                  paging=paging)

@@ -181,6 +181,16 @@ class Runtime:
         :mod:`paramfsm.memory`."""
         return memory.memory(self)
 
+    def reset_peak_memory(self) -> None:
+        """Count each phase's peak from now on; ``rt.memory()`` then gains ``peak_<phase>``. Off until the first
+        call (it costs a sample per transition); see :class:`paramfsm.planning.measure.Tracker`."""
+        memory.reset_peaks(self)
+
+    def peak_memory(self) -> dict:
+        """Each phase's peak since the last :meth:`reset_peak_memory`: ``{phase: {"total", "unit", "event",
+        "kinds"}}``, counted as :meth:`plan` counts it."""
+        return memory.peaks(self)
+
     @property
     def counters(self) -> dict[str, int]:
         return self.executor.counters.as_dict()

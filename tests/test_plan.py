@@ -20,6 +20,7 @@ from torch import nn
 import paramfsm
 from paramfsm.errors import ArgumentError, ParamFSMError
 from paramfsm.planning.measure import measured_steps
+from paramfsm.planning.rehearsal import tensors_of
 from paramfsm.planning.rehearsal import KINDS, PHASES, TIER_KINDS
 from paramfsm.testing.models import mlp
 
@@ -167,6 +168,28 @@ def measured_job(rank, world, name, options):
     return found
 
 
+def peak_memory_job(rank, world, name, options):
+    """:func:`measured_job`'s steps with no phase marked by hand: ``rt.reset_peak_memory()`` and the runtime's
+    own ``rt.peak_memory()``."""
+    build, example = MODELS[name]
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build()
+    rt = paramfsm.shard(model, **options)
+    rt.reset_peak_memory()
+    rt.init_weights(getattr(model, "_init_weights", None))
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        out = model(**example("cpu")) if name == "llama" else model(example("cpu"))
+        torch.stack([t.float().mean() for t in tensors_of(out)]).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    found = {phase: peak["total"] for phase, peak in rt.peak_memory().items()}
+    held = rt.memory()
+    rt.close()
+    return found, held
+
+
 CASES = [pytest.param("stack", {"bucket_bytes": 1, "prefetch": 1}, id="stack-prefetch1"),
          pytest.param("stack", {"bucket_bytes": 1, "prefetch": 2}, id="stack-prefetch2"),
          pytest.param("stack", {}, id="stack-defaults"),
@@ -200,6 +223,18 @@ def test_the_plan_bounds_every_phase_of_two_real_ranks(ranks2, name, options, tm
     options = _on_disk(options, tmp_path)
     model, x = _meta(name)
     _bounds(paramfsm.plan(model, 2, example_input=x, **options), ranks2.run(measured_job, name, options, timeout=120))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,options", [CASES[2], CASES[4], CASES[5]])
+def test_the_runtime_keeps_its_plan_in_every_phase_it_counts_itself(ranks2, name, options, tmp_path):
+    options = _on_disk(options, tmp_path)
+    model, x = _meta(name)
+    results = ranks2.run(peak_memory_job, name, options, timeout=120)
+    assert all(set(found) == {"init", "forward", "backward", "step"} for found, _ in results), results
+    for found, held in results:
+        assert all(held[f"peak_{phase}"] == total for phase, total in found.items())
+    _bounds(paramfsm.plan(model, 2, example_input=x, **options), [found for found, _ in results])
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import paramfsm.checkpoint as ck
+from paramfsm import memory as runtime_memory
 from paramfsm import meta, rank_errors
 from paramfsm.checkpoint import background, folders, layout, streamed_load
 from paramfsm.errors import ArgumentError, ParamFSMError
@@ -114,6 +115,7 @@ def save(rt, path, optimizer=None, *, keep_last: int | None = None, async_save: 
     _check_keep_last(keep_last)
     extra = folders.check_extra_files(extra_files)
     background.settle(rt, "save")
+    runtime_memory.phase(rt, "checkpoint")  # rt.peak_memory()'s phases
     ck._require_idle(rt, "save a sharded checkpoint")
     path = Path(os.path.abspath(path))
     group = ck._dcp_group(rt)

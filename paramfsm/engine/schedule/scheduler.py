@@ -89,6 +89,8 @@ class Scheduler:
         # Offloaded shards and optimizer state (paramfsm.engine.schedule.residency), or None; the plan
         # (tiers, which units offload what) is the facade's (paramfsm.offload); see attach_offload.
         self.residency = self.offload_plan = None
+        # The count of each phase's peak memory once rt.reset_peak_memory() turned it on (paramfsm.memory), or None.
+        self.peaks = None
         self._effects = self._effect_runners()
         graph = self.graph
         self._handlers = {
@@ -275,6 +277,20 @@ class Scheduler:
     def release_forward_holds(self) -> None:
         """Release every forward hold kept for a backward (a load or a save reads or writes the shards)."""
         self.holds.release_all()
+
+    def watch(self, kind: str, fn):
+        """Call ``fn(event)`` before each event of ``kind`` is applied (an observer: it must not emit); returns
+        the function that stops it. Nothing is added to events of other kinds."""
+        handler = self._handlers[kind]
+
+        def watched(event):
+            fn(event)
+            handler(event)
+        self._handlers[kind] = watched
+
+        def stop():
+            self._handlers[kind] = handler
+        return stop
 
     def shards_written(self, records, changed, why: str, *, paging: bool = True) -> None:
         """The shards of ``records`` are about to be written by ``why`` (``changed``: the ones whose values
