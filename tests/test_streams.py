@@ -17,7 +17,7 @@ import torch
 
 from paramfsm.engine.effects import executor as executor_module
 from paramfsm.engine.effects.executor import MAX_REDUCES_IN_FLIGHT
-from paramfsm.engine.effects.streams import GATHER, REDUCE, HostStreams, RecordingStreams, streams_for
+from paramfsm.engine.effects.streams import GATHER, PAGE, REDUCE, HostStreams, RecordingStreams, streams_for
 from paramfsm.launch import RankFailure
 from paramfsm.testing.scenarios import two_loss_job
 
@@ -34,7 +34,7 @@ def test_recording_streams_defer_until_joined_in_lane_order():
     assert streams.join(first) == 2 and ran == [1, 2], "a ticket runs once"
     assert streams.join(other) == "r"
     assert [c for c in streams.log if c[0] == "run"] == [("run", GATHER, 0), ("run", GATHER, 1), ("run", REDUCE, 2)]
-    assert streams.max_in_flight == {GATHER: 2, REDUCE: 1}
+    assert streams.max_in_flight == {GATHER: 2, REDUCE: 1, PAGE: 0}
 
 
 def test_host_streams_run_at_once_and_cpu_gets_them():

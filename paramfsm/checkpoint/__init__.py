@@ -135,8 +135,10 @@ def _model_state(rt, layout: str, streaming: bool = False, stand_ins: bool = Fal
     out = {}
     for key, value in rt.model.state_dict(keep_vars=True).items():
         rec = rt._by_id.get(id(value))
-        shard = rec.shard if rec is None or not stand_ins else _stand_in(rec.shard)
-        out[key] = _shaped(rt, rec, shard, where, streaming) if rec is not None else value.detach()
+        if rec is None:
+            out[key] = value.detach()
+            continue
+        out[key] = _shaped(rt, rec, _stand_in(rec.shard) if stand_ins else rec.shard, where, streaming)
     return out
 
 
