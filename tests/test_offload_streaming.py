@@ -273,3 +273,29 @@ def test_a_streamed_load_that_fails_part_way_refuses_the_forward_until_a_load_co
             assert refused is not None and "paramfsm.checkpoint.load failed part-way" in refused, refused
             mixed = [torch.equal(after[key], saved[key]) for key in saved]
             assert any(mixed) and not all(mixed), mixed  # earlier units loaded, later ones old
+
+
+def buffers_job(rank, world, folder):
+    """A streamed load of a model with buffers (batch norm's running statistics) and its optimizer state."""
+    offload = paramfsm.Offload(params="disk", optimizer="disk", grads="disk", path=f"{folder}/tier")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    rt = paramfsm.shard(model, offload=offload, min_unit_bytes=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    saved = rt.full_state_dict()
+    paramfsm.checkpoint.save(rt, f"{folder}/ck", optimizer=opt)
+    model(torch.randn(4, 8)).pow(2).mean().backward()  # moves every value and statistic on
+    opt.step()
+    paramfsm.checkpoint.load(rt, f"{folder}/ck", optimizer=opt)
+    loaded = rt.full_state_dict()
+    rt.close()
+    return saved, loaded
+
+
+def test_a_streamed_load_restores_buffers_with_the_parameters(ranks2, tmp_path):
+    for saved, loaded in ranks2.run(buffers_job, str(tmp_path)):
+        assert "1.running_mean" in saved
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), key
