@@ -69,15 +69,6 @@ def memory(rt) -> dict[str, int]:
     return held
 
 
-def reset_peaks(rt) -> None:
-    """``rt.reset_peak_memory()``: count each phase's peak from now on (the first call starts the count)."""
-    if rt.scheduler.peaks is None:
-        from paramfsm.planning.measure import Tracker
-
-        rt.scheduler.peaks = Tracker(rt)
-    rt.scheduler.peaks.reset()
-
-
 def peaks(rt) -> dict:
     """``rt.peak_memory()``: each phase's peak since the last reset, with its kinds, unit and event."""
     tracker = rt.scheduler.peaks

@@ -184,7 +184,11 @@ class Runtime:
     def reset_peak_memory(self) -> None:
         """Count each phase's peak from now on; ``rt.memory()`` then gains ``peak_<phase>``. Off until the first
         call (it costs a sample per transition); see :class:`paramfsm.planning.measure.Tracker`."""
-        memory.reset_peaks(self)
+        if self.scheduler.peaks is None:
+            from paramfsm.planning.measure import Tracker
+
+            self.scheduler.peaks = Tracker(self)
+        self.scheduler.peaks.reset()
 
     def peak_memory(self) -> dict:
         """Each phase's peak since the last :meth:`reset_peak_memory`: ``{phase: {"total", "unit", "event",

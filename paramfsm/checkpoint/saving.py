@@ -248,6 +248,8 @@ def load(rt, path, optimizer=None) -> None:
                            metadata)
         _agree(group, _shape_mismatch(wanted, metadata, path))
         own.update(wanted)
+    device = next(iter(rt._by_id.values())).shard.device
+
     def read(staged: dict, left: str) -> dict:
         failure = None
         try:
@@ -259,7 +261,9 @@ def load(rt, path, optimizer=None) -> None:
         return staged
 
     if streams:
-        streamed_load.load(rt, own, folder, optimizer, read)
+        def read_keys(keys, left: str) -> dict:
+            return read(_empty_like({key: own[key] for key in keys}, device), left)
+        streamed_load.load(rt, own, optimizer, read_keys)
         return
     staged = read(_empty_like(own), "the model and optimizer are unchanged")
     ck._announce_write(rt, "paramfsm.checkpoint.load()")

@@ -65,27 +65,22 @@ def batches(rt, keys, optimizer) -> list[tuple[tuple, list[str]]]:
     return [(records, keys) for records, keys in out if keys]
 
 
-def load(rt, own: dict, folder, optimizer, read) -> None:
+def load(rt, own: dict, optimizer, read) -> None:
     """Load ``own`` (the checked state dict :func:`paramfsm.checkpoint.load` built, model and optimizer
-    state) from ``folder`` unit by unit (see the module's note). ``read(staged, what)`` reads a staging dict
-    from the checkpoint and agrees among the ranks that it succeeded, raising on every rank when not, with
-    ``what`` saying what the failure left."""
-    from paramfsm.checkpoint.saving import _empty_like
-
+    state) unit by unit (see the module's note). ``read(keys, what)`` reads those keys of the checkpoint
+    into a new staging dict, agreeing among the ranks that it succeeded and raising on every rank when not,
+    with ``what`` saying what the failure left."""
     plan = batches(rt, own, optimizer)
-    device = next(iter(rt._by_id.values())).shard.device
     by_key = ck._records_by_key(rt)
     names = ck._optim_names(rt, optimizer) if optimizer is not None else None
-    staged = read(_empty_like({key: own[key] for key in plan[0][1]}, device),
-                  "nothing was loaded; the model and optimizer are unchanged")
+    staged = read(plan[0][1], "nothing was loaded; the model and optimizer are unchanged")
     records = tuple(rt._by_id.values())
     rt.scheduler.shards_written(records, records, "paramfsm.checkpoint.load()", paging=False)
     with meta.setting_values(rt, "paramfsm.checkpoint.load"):
         for index, (unit_records, keys) in enumerate(plan):
             if index:
-                staged = read(_empty_like({key: own[key] for key in keys}, device),
-                              f"{index} of {len(plan)} units were loaded and the rest hold their old values, so "
-                              "the model's forward is refused until a load completes")
+                staged = read(keys, f"{index} of {len(plan)} units were loaded and the rest hold their old values, "
+                                    "so the model's forward is refused until a load completes")
             _write(rt, optimizer, names, unit_records, {key: by_key[key] for key in keys if key in by_key},
                    staged)
             staged = None  # one unit's staging at a time
