@@ -36,7 +36,7 @@ check-wheel: install
 	$(PY) .ci/check_wheel.py
 
 demo: install
-	$(PY) -m paramfsm.demo --out demo-out
+	$(PY) -m paramfsm.testing.demo --out demo-out
 
 bench: install
 	$(PY) benchmarks/fsm_dispatch.py

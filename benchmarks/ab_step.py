@@ -46,7 +46,7 @@ SERVER = """
 import json, sys
 import paramfsm
 print(PREFIX + json.dumps(paramfsm.__file__), flush=True)
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 import step_overhead as so
 import default_units as du
 with RankPool(1) as one, RankPool(2) as two:

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import _reset_peak, _status_kib  # noqa: E402 - the same peak measurement as memory.py
 from step_overhead import BATCH, MODELS, build  # noqa: E402 - the same models
 
-from paramfsm.launch import RankPool  # noqa: E402
+from paramfsm.verify.launch import RankPool  # noqa: E402
 
 ACCUMULATION = (1, 4, 8)
 WAYS = ("pfsm sync", "pfsm no_sync", "pfsm no_sync keep", "FSDP2 sync", "FSDP2 no-sync", "FSDP2 no-sync keep")

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memory  # noqa: E402
 import step_overhead  # noqa: E402
 
-from paramfsm.launch import RankPool  # noqa: E402
+from paramfsm.verify.launch import RankPool  # noqa: E402
 
 #: The ``min_unit_bytes`` candidates measured.
 CANDIDATES = (64 << 10, 1 << 20)

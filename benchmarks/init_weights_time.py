@@ -1,7 +1,7 @@
 """Seconds of ``rt.init_weights()`` on a meta-built stack of Linear modules, at world 2 (gloo), median of 5.
 
 Each module's outcome is agreed across ranks (one flag all-reduce per module, see [Note: an error one rank
-meets] in ``paramfsm.rank_errors``); this measures what that costs. A/B against another checkout by running
+meets] in ``paramfsm.sharding.rank_errors``); this measures what that costs. A/B against another checkout by running
 it with that checkout first on ``PYTHONPATH``:
 
     git archive REV paramfsm specs | tar -x -C /tmp/base

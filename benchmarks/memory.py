@@ -44,7 +44,7 @@ import sys
 import torch
 from torch import nn
 
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 
 DEPTH, WIDTH, BATCH = 16, 1024, 32
 

@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from paramfsm.launch import RankPool  # noqa: E402
+from paramfsm.verify.launch import RankPool  # noqa: E402
 from step_overhead import build, time_steps, units_of  # noqa: E402
 
 

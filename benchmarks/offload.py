@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import _reset_peak, _status_kib  # noqa: E402 - the same peak measurement as memory.py

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import paramfsm
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 from paramfsm.planning.measure import measured_steps
 from paramfsm.planning.report import size
 

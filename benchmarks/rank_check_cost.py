@@ -33,7 +33,7 @@ import torch
 from step_overhead import GPTBlock, batch_of, build  # benchmarks/ is on sys.path when this file runs as a script
 from torch import nn
 
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 
 DEPTH, WIDTH = 64, 64
 MODES = ("off", "tag", "agreed", "debug")

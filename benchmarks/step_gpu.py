@@ -39,7 +39,7 @@ except ImportError:  # a source checkout that is not installed
     import paramfsm
 
 from paramfsm.engine.effects.streams import HostStreams  # noqa: E402
-from paramfsm.launch import free_port  # noqa: E402
+from paramfsm.verify.launch import free_port  # noqa: E402
 from paramfsm.testing.scenarios import force_collectives  # noqa: E402
 
 MODELS = {"big": (16, 4096, 1024), "tiny": (200, 8, 32)}  # depth, width, batch

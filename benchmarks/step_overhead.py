@@ -57,7 +57,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 
 MODELS = {"a": (200, 8), "u": (200, 8), "b": (16, 1024), "c": (8, 256), "t": (8, 128)}
 #: ``units=paramfsm.by_size(min_bytes=BY_SIZE)`` for the "w2 by_size" column.

@@ -26,7 +26,7 @@ def __getattr__(name: str):
 
         return getattr(runtime, name)
     if name == "Offload":
-        from paramfsm.offload import Offload
+        from paramfsm.sharding.offload import Offload
 
         return Offload
     if name == "plan":

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from paramfsm import accumulation, full_state, optim
+from paramfsm import optim
+from paramfsm.sharding import accumulation, full_state
 
 
 class GradScaler(torch.amp.GradScaler):

@@ -13,7 +13,7 @@ Usage (also ``python -m paramfsm``)::
 Each command group is added by a ``register(subparsers)`` function, and every
 leaf command stores its handler as ``func``; a handler takes the parsed
 arguments and returns the exit status. Optional groups live in their own
-modules and provide ``add_parser(subparsers)`` (``paramfsm.offload_command`` for ``paramfsm offload``,
+modules and provide ``add_parser(subparsers)`` (``paramfsm.sharding.offload_command`` for ``paramfsm offload``,
 ``paramfsm.planning.command`` for ``paramfsm plan``,
 ``paramfsm.verify.command`` for
 ``paramfsm verify``); they are imported only when the command line names
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 PROG = "paramfsm"
 #: Modules that add a command group with ``add_parser(subparsers)`` when they exist.
-OPTIONAL_COMMANDS = {"verify": "paramfsm.verify.command", "offload": "paramfsm.offload_command",
+OPTIONAL_COMMANDS = {"verify": "paramfsm.verify.command", "offload": "paramfsm.sharding.offload_command",
                      "plan": "paramfsm.planning.command"}
 #: The one-line help ``paramfsm --help`` shows for an optional group it has not imported.
 OPTIONAL_HELP = {"verify": "check generated training loops on local ranks against plain torch",

@@ -133,7 +133,7 @@ class NotGathered(ParamFSMError):
 
 class ModelMismatch(ParamFSMError):
     """The ranks hold models with different parameters (names, shapes, dtypes or tying); raised by
-    ``paramfsm.shard`` on every rank (see :mod:`paramfsm.rank_agreement`)."""
+    ``paramfsm.shard`` on every rank (see :mod:`paramfsm.sharding.rank_agreement`)."""
 
 
 class UnsyncedGradients(ParamFSMError):
@@ -150,7 +150,7 @@ class UnsyncedGradients(ParamFSMError):
 
 class ModelChanged(ParamFSMError):
     """A parameter of a sharded model was added, replaced or deleted after ``paramfsm.shard()``
-    (see :mod:`paramfsm.model_changes`); raised at the next forward."""
+    (see :mod:`paramfsm.sharding.model_changes`); raised at the next forward."""
 
     def __init__(self, *, param: str, module: str, rank: int, what: str):
         self.param, self.module, self.rank, self.what = param, module, rank, what
@@ -164,7 +164,7 @@ class ModelChanged(ParamFSMError):
 
 class ConversionRefused(ParamFSMError):
     """``model.double()``, ``.half()`` or ``.to(...)`` would change a partitioned parameter's dtype or device;
-    nothing was converted (see :mod:`paramfsm.conversions`)."""
+    nothing was converted (see :mod:`paramfsm.sharding.conversions`)."""
 
 
 class UnsupportedOutput(ParamFSMError):

@@ -14,15 +14,16 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from paramfsm import accumulation, assembly, full_state, grad_norm, materialize, memory, teardown
-from paramfsm import offload as offload_module
+from paramfsm.optim import grad_norm
+from paramfsm.sharding import accumulation, assembly, full_state, materialize, memory, teardown
+from paramfsm.sharding import offload as offload_module
 from paramfsm.core.spec import State
 from paramfsm.engine.effects.executor import DEFAULT_BUCKET_BYTES
 from paramfsm.engine.events import graph_task as gt
 from paramfsm.engine.storage.default_units import describe
 from paramfsm.engine.storage.units import ParamRecord
 from paramfsm.errors import ParamFSMError
-from paramfsm.gathered import gathered as gathered_block
+from paramfsm.sharding.gathered import gathered as gathered_block
 
 
 def shard(model: nn.Module, *, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
@@ -43,7 +44,7 @@ def shard(model: nn.Module, *, group=None, units=None, retain: str = "defer", ma
     ``ArgumentError`` when no entry matches, else warns ``UnmatchedUnits``
     (:func:`paramfsm.engine.storage.units.select_unit_modules`). Every argument is checked
     before anything changes: a wrong type raises ``ArgumentTypeError``, a wrong
-    value ``ArgumentError``, naming it (:func:`paramfsm.assembly.check_arguments`). ``retain``:
+    value ``ArgumentError``, naming it (:func:`paramfsm.sharding.assembly.check_arguments`). ``retain``:
     "defer" keeps parameters released inside a keep-graph backward for the
     next backward; "regather" releases at once. ``max_deferred_bytes`` bounds
     deferred memory. ``prefetch``: buckets gathered ahead of use.
@@ -78,11 +79,11 @@ def shard(model: nn.Module, *, group=None, units=None, retain: str = "defer", ma
     replicas (averaged over every rank, like plain torch on the global batch).
     ``device``: where the shards of a model built on the meta device go (default:
     the current CUDA device when CUDA is available, else the CPU); its values are
-    then set by :meth:`Runtime.init_weights` or a load (see :mod:`paramfsm.meta`).
+    then set by :meth:`Runtime.init_weights` or a load (see :mod:`paramfsm.sharding.meta`).
     A model off the meta device keeps its own device, and ``device`` must agree with it.
     ``sync_module_states``: broadcast rank 0's parameters and buffers before
     sharding. Every call checks that all ranks hold the same model (one small
-    collective, :mod:`paramfsm.rank_agreement`): different parameters raise
+    collective, :mod:`paramfsm.sharding.rank_agreement`): different parameters raise
     ``ModelMismatch``, different values warn ``RanksDiffer``.
     ``reshard_after_forward``: True releases every unit after its forward, the
     root included (gathered again in backward); False keeps every unit gathered
@@ -92,7 +93,7 @@ def shard(model: nn.Module, *, group=None, units=None, retain: str = "defer", ma
     default). See :mod:`paramfsm.engine.schedule.reshard`.
     ``offload``: None, a :class:`paramfsm.Offload` (where every unit's shards and optimizer state
     live: working memory, ``"cpu"`` or ``"disk"``), or a predicate ``(name, module) -> Offload | None``
-    choosing per unit; see :mod:`paramfsm.offload`.
+    choosing per unit; see :mod:`paramfsm.sharding.offload`.
     ``memory_budget``: bytes per rank (or ``"20GiB"``); when the memory plan of this call
     (:func:`paramfsm.plan`) exceeds it, ``shard()`` raises before anything changes, naming what to move.
     """
@@ -178,7 +179,7 @@ class Runtime:
 
     def memory(self) -> dict[str, int]:
         """Bytes held now, by kind (shards, gathered parameters, unsynchronised gradients, ...): see
-        :mod:`paramfsm.memory`."""
+        :mod:`paramfsm.sharding.memory`."""
         return memory.memory(self)
 
     def reset_peak_memory(self) -> None:
@@ -234,7 +235,7 @@ class Runtime:
 
         Each distinct parameter is gathered once; the keys of a tied parameter
         share one tensor. ``rank0_only=True``: rank 0 gets the full tensors on
-        the CPU, the other ranks an empty dict (see :mod:`paramfsm.full_state`).
+        the CPU, the other ranks an empty dict (see :mod:`paramfsm.sharding.full_state`).
         """
         with self._reporting():
             return full_state.full_state_dict(self, rank0_only=rank0_only)
@@ -244,7 +245,7 @@ class Runtime:
         or ``fn(module)`` in ``model.apply`` order; bit-identical to the same init of the unsharded model.
 
         Every rank calls it, seeded identically. Again, or on a model not built on
-        meta, it re-initialises. See :mod:`paramfsm.materialize`.
+        meta, it re-initialises. See :mod:`paramfsm.sharding.materialize`.
         """
         materialize.init_weights(self, fn)
 
@@ -312,7 +313,7 @@ class Runtime:
             gt.explicit_keep_graph.pop()
 
     def no_sync(self):
-        """Context manager: backward passes inside keep full gradients locally (see :mod:`paramfsm.accumulation`)."""
+        """Context manager: backward passes inside keep full gradients locally (see :mod:`paramfsm.sharding.accumulation`)."""
         return accumulation.no_sync(self)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -353,7 +354,7 @@ class Runtime:
 
         Collective: every rank enters and leaves together. ``writeback=True``: in-place
         changes to the full parameters reach the shards when the block ends, checked to be the
-        same on every rank; ``writeback=False``: read-only. See :mod:`paramfsm.gathered`.
+        same on every rank; ``writeback=False``: read-only. See :mod:`paramfsm.sharding.gathered`.
         """
         return gathered_block(self, modules, writeback)
 

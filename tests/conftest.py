@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 
 # Flight-recorder dumps of tests that fail on purpose go here, not into the checkout; rank pools
 # inherit the variable. A test that reads dumps points it at its own directory.

@@ -3,7 +3,7 @@
 ``BatchNorm1d`` / ``BatchNorm2d`` under ``param_dtype=torch.bfloat16`` crashed in forward ("expected scalar type
 BFloat16 but found Float": bfloat16 weights against float32 running statistics). Now their parameters are
 gathered in their shard's dtype (see [Note: batch norms compute in their parameters' precision] in
-``paramfsm.assembly``) while every other layer computes in bfloat16. Each rank normalises its own half of the
+``paramfsm.sharding.assembly``) while every other layer computes in bfloat16. Each rank normalises its own half of the
 batch, as under DDP, so plain torch runs each half through the model and averages the two losses.
 """
 

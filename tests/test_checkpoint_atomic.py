@@ -19,7 +19,7 @@ import torch
 import paramfsm
 import paramfsm.checkpoint as ck
 from paramfsm.checkpoint import folders
-from paramfsm.launch import RankFailure, RankPool
+from paramfsm.verify.launch import RankFailure, RankPool
 from paramfsm.testing.models import mlp
 
 

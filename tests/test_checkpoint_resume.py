@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from paramfsm.launch import free_port
+from paramfsm.verify.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_lm.py"

@@ -23,7 +23,7 @@ from paramfsm.core.replay import replay
 from paramfsm.core.trace import Trace
 from paramfsm.engine.events import graph_task as gt
 from paramfsm.engine.events.events import POST_FORWARD, Event
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 from paramfsm.testing.models import mlp
 
 

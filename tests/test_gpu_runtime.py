@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from paramfsm.engine.effects.streams import GATHER, REDUCE, DeviceStreams, streams_for
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 from paramfsm.testing.scenarios import two_loss_job
 
 pytestmark = [
@@ -76,7 +76,7 @@ def test_two_losses_on_one_gpu(nccl1, retain, collectives):
 @pytest.mark.parametrize("norm_type", [0.0, 2.0, float("inf")])
 def test_clip_on_the_device(norm_type):
     """The accumulator and the all-reduce input live on the gradients' device."""
-    from paramfsm import grad_norm
+    from paramfsm.optim import grad_norm
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     ours = [torch.nn.Parameter(torch.zeros(n, device="cuda")) for n in (7, 13)]

@@ -1,4 +1,4 @@
-"""Same model on every rank (:mod:`paramfsm.rank_agreement`), checked in the test process.
+"""Same model on every rank (:mod:`paramfsm.sharding.rank_agreement`), checked in the test process.
 
 The descriptions, fingerprints and first differences are plain functions of
 a model, tested against hand-computed values. :func:`agree` itself needs
@@ -21,7 +21,7 @@ from torch import nn
 from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
 
 from paramfsm.errors import ModelMismatch
-from paramfsm.rank_agreement import RanksDiffer, agree, describe, fingerprint, first_difference
+from paramfsm.sharding.rank_agreement import RanksDiffer, agree, describe, fingerprint, first_difference
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 

@@ -1,4 +1,4 @@
-"""``paramfsm.launch`` in the test process: a rank's worker loop and the pool's collection of answers.
+"""``paramfsm.verify.launch`` in the test process: a rank's worker loop and the pool's collection of answers.
 
 A :class:`RankPool` normally forks its ranks; here the worker function runs
 as one rank in a thread of the test process (world 1, gloo over 127.0.0.1),
@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paramfsm import launch
-from paramfsm.launch import RankFailure, RankPool
+from paramfsm.verify import launch
+from paramfsm.verify.launch import RankFailure, RankPool
 
 
 def _rank_info(rank, world, extra):

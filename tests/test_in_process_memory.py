@@ -1,7 +1,7 @@
 """``rt.memory()`` and gradient accumulation (``rt.no_sync()`` and relatives), run in the test process.
 
 The expected byte counts are computed by hand from the parameters' element
-counts and dtypes (:mod:`paramfsm.memory` counts tensor bytes the runtime
+counts and dtypes (:mod:`paramfsm.sharding.memory` counts tensor bytes the runtime
 owns), and the accumulated gradients are compared with plain torch's. On a
 one-rank group (:mod:`one_rank`) a gathered parameter is a view of its shard
 and adds nothing, unless it is gathered in another dtype (``param_dtype``).
@@ -18,7 +18,7 @@ from one_rank import one_rank  # noqa: F401  (fixture)
 import paramfsm
 from paramfsm import State
 from paramfsm.errors import ParamFSMError, UnsyncedGradients
-from paramfsm.memory import KINDS, _size, describe
+from paramfsm.sharding.memory import KINDS, _size, describe
 from paramfsm.testing.models import mlp
 
 #: mlp(width=6, depth=3, d_in=4, d_out=2): 4*6 + 6 + 6*6 + 6 + 6*2 + 2 elements.

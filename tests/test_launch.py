@@ -1,11 +1,11 @@
-"""``paramfsm.launch.RankPool``: ranks forked from a server see the caller's environment and folder as of
+"""``paramfsm.verify.launch.RankPool``: ranks forked from a server see the caller's environment and folder as of
 the pool's start, and a closed pool's workers are gone."""
 
 from __future__ import annotations
 
 import os
 
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 
 
 def where_job(rank, world):

@@ -106,7 +106,17 @@ def planning_forbids(name: str) -> bool:
     return _top(name) in ("verify", "testing", "checkpoint", "integrations")
 
 
+def sharding_forbids(name: str) -> bool:
+    """sharding/ and optim/ are what shard() does and what a step needs: checkpoints, integrations, plans,
+    verify and the test kit are built on them, never the reverse."""
+    return _top(name) in ("checkpoint", "integrations", "planning", "verify", "testing")
+
+
+#: What the top level holds: what users import or run. Everything else is in a folder of its concern.
+TOP_LEVEL = {"__init__.py", "__main__.py", "amp.py", "cli.py", "errors.py", "runtime.py"}
+
 FORBIDS = {"core": core_forbids, "engine": engine_forbids, "verify": verify_forbids, "planning": planning_forbids,
+           "sharding": sharding_forbids, "optim": sharding_forbids,
            **{f"engine/{room}": room_forbids(room) for room in ROOMS}}
 
 
@@ -118,6 +128,11 @@ def test_layer_imports_only_downwards(layer):
 def test_every_engine_module_is_in_a_room():
     loose = [path.name for path in (PACKAGE / "engine").glob("*.py") if path.name != "__init__.py"]
     assert loose == [], "modules of paramfsm/engine/ belong in one of its rooms: " + ", ".join(ROOMS)
+
+
+def test_the_top_level_holds_only_what_users_import_or_run():
+    modules = {path.name for path in PACKAGE.glob("*.py")}
+    assert modules == TOP_LEVEL, f"move {sorted(modules - TOP_LEVEL)} into the folder of its concern"
 
 
 def test_the_check_sees_violations(tmp_path, monkeypatch):
@@ -134,6 +149,11 @@ def test_the_check_sees_violations(tmp_path, monkeypatch):
                         ("verify", "def f():\n    import paramfsm.testing.subjects\n"),
                         ("planning", "from paramfsm.verify import runner"),
                         ("planning", "def f():\n    import paramfsm.checkpoint\n"),
+                        ("sharding", "from paramfsm.checkpoint import saving"),
+                        ("sharding", "def f():\n    import paramfsm.integrations.hf\n"),
+                        ("sharding", "from paramfsm.verify import runner"),
+                        ("optim", "from paramfsm import checkpoint"),
+                        ("optim", "def f():\n    from paramfsm.planning import measure\n"),
                         ("engine/events", "from paramfsm.engine.schedule.plan import PassState"),
                         ("engine/events", "from paramfsm.engine.storage import partitioned"),
                         ("engine/effects", "from paramfsm.engine.schedule import grad_order"),
@@ -167,7 +187,7 @@ def test_rooms_may_import_what_they_stand_on():
 
 
 def test_verify_may_import_the_facade_and_below():
-    for name in ("paramfsm.runtime", "paramfsm.launch", "paramfsm.engine.storage.units", "paramfsm.core.trace",
+    for name in ("paramfsm.runtime", "paramfsm.verify.launch", "paramfsm.engine.storage.units", "paramfsm.core.trace",
                  "paramfsm.verify.faults", "hypothesis"):
         assert not verify_forbids(name), name
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,8 +11,9 @@ import re
 
 import pytest
 
-from paramfsm import (amp, assembly, checkpoint, full_state, gathered, grad_norm, model_changes, offload,
-                      offload_step, optim)
+from paramfsm import amp, checkpoint, optim
+from paramfsm.optim import grad_norm, offload_step
+from paramfsm.sharding import assembly, full_state, gathered, model_changes, offload
 from paramfsm.checkpoint import layout as checkpoint_layout
 from paramfsm.core import replay
 from paramfsm.core.trace import Trace
@@ -36,7 +37,7 @@ from paramfsm.engine.storage import partitioned
 from paramfsm.engine.storage.tiers import DiskTier
 from paramfsm.testing.mutants import SUBJECT, format_table, main, run_catalogue, trace_check
 from paramfsm.verify import faults
-from paramfsm.verify.engine import examples_from_env
+from paramfsm.verify.search import examples_from_env
 from paramfsm.verify.reproduction import run_saved
 
 #: Programs per fault (and for the baseline) in CI; PARAMFSM_VERIFY_EXAMPLES raises it.

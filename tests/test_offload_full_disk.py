@@ -4,7 +4,7 @@ Under ``Offload(optimizer="disk")`` the optimizer state is created by the first 
 was reserved unit by unit as the step went, so a disk that filled there raised after some units had stepped
 (parameters neither as they were nor one step on), left state no later step could page, and the rank whose disk
 had room stepped on alone. Now the space is reserved before any unit steps and the ranks agree
-(see [Note: a first step that cannot finish changes nothing] in ``paramfsm.step_space``).
+(see [Note: a first step that cannot finish changes nothing] in ``paramfsm.optim.step_space``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """An offloaded optimizer step is one step to everything that watches it, and ``zero_grad`` keeps its meaning.
 
 Under ``Offload(optimizer=...)`` (or any offload) paramfsm steps the optimizer unit by unit
-(:mod:`paramfsm.offload_step`). What the user registered on the optimizer must still see the one ``step()``
+(:mod:`paramfsm.optim.offload_step`). What the user registered on the optimizer must still see the one ``step()``
 they called, as in plain torch: each step pre-hook once, before any parameter changes, and each post-hook once,
 after every parameter changed, both with every parameter in the param groups. And
 ``zero_grad(set_to_none=False)`` must zero the gradients wherever they are paged, whatever the resident bound.

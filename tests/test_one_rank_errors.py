@@ -5,7 +5,7 @@ on one machine: ``shard()`` whose offload folder rank 1 cannot create, ``rt.full
 rank 1, ``load_pretrained`` of a folder only
 rank 0 has, ``rt.init_weights(fn)`` whose ``fn`` raises on one rank's module, and a ``rt.gathered()`` block
 that raises on one rank. Before, rank 1 raised alone and rank 0 went on into its next collective, which waited for the
-collective timeout (see [Note: an error one rank meets] in ``paramfsm.rank_errors``). The first optimizer step
+collective timeout (see [Note: an error one rank meets] in ``paramfsm.sharding.rank_errors``). The first optimizer step
 whose disk is full on one rank is ``tests/test_offload_full_disk.py``.
 """
 
@@ -252,7 +252,7 @@ def test_a_later_offloaded_step_that_fails_on_one_rank_raises_on_every_rank(rank
 
 
 def test_a_failing_rank_raises_its_own_error_and_the_others_its_class():
-    from paramfsm.rank_errors import agreed
+    from paramfsm.sharding.rank_errors import agreed
 
     with pytest.raises(OffloadError, match="disk full"):
         with agreed(None, "a step"):

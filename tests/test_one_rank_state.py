@@ -2,7 +2,7 @@
 
 The same public API as ``test_full_tensors.py`` and the checkpoint tests, run
 on a world-1 gloo group in the pytest process (:mod:`one_rank`) so that
-``make mutate`` reaches :mod:`paramfsm.full_state` and
+``make mutate`` reaches :mod:`paramfsm.sharding.full_state` and
 :mod:`paramfsm.checkpoint`. What only several ranks exercise (the rank-order
 tag of a full-tensor gather, the slices of ranks above 0, resharding between
 world sizes) stays with the spawned tests; ``docs/mutation.md`` lists it.
@@ -20,7 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import paramfsm
-from paramfsm import checkpoint, full_state
+from paramfsm import checkpoint
+from paramfsm.sharding import full_state
 from paramfsm.errors import ParamFSMError
 from paramfsm.testing import Reference, assert_close_dicts, sharded_grads, sharded_params
 from paramfsm.testing.models import mlp

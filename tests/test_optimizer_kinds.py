@@ -2,7 +2,7 @@
 
 paramfsm steps an element-wise optimizer on each rank's flat 1-D shard; any other steps whole parameters
 ([Note: element-wise optimizers] in paramfsm.optim, [Note: whole-parameter optimizers] in
-paramfsm.whole_params). One Adafactor step on a sharded ``Linear(7, 15)`` was 0.035 off plain torch (the flat
+paramfsm.optim.whole_params). One Adafactor step on a sharded ``Linear(7, 15)`` was 0.035 off plain torch (the flat
 shard got an unfactored second moment), with no error; Muon raised torch's own shape error. Now both match
 plain torch after 5 steps at world 2 and 3 on odd shapes; where whole parameters cannot be stepped (a closure,
 an offloaded model) the first step is refused before anything changes, naming the parameter, its module,

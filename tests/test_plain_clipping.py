@@ -3,7 +3,7 @@
 DESIGN's recipe builds the optimizer over ``rt.shard_parameters()``; the clipping call a training loop (or
 Lightning, Accelerate, the Trainer) then writes goes through the optimizer's param groups. On shards torch
 alone would clip each rank by its own partial norm (see [Note: plain clipping over shards] in
-``paramfsm.grad_norm``). Each case compares the returned norm and the trained parameters with plain torch on
+``paramfsm.optim.grad_norm``). Each case compares the returned norm and the trained parameters with plain torch on
 the whole batch, under ``shard()``'s default units and per module.
 """
 

@@ -325,7 +325,7 @@ def test_the_command_lines_offload_spec_reads_each_tier_and_refuses_anything_els
 
 def agreeing_job(rank, world):
     """After every transition of two real steps, the sampler's running totals against rt.memory()'s count."""
-    from paramfsm import memory
+    from paramfsm.sharding import memory
     from paramfsm.planning.sampler import Sampler
 
     torch.manual_seed(0)

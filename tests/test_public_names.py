@@ -42,7 +42,7 @@ def test_verification_lives_in_paramfsm_verify_and_testing_re_exports_it():
     assert paramfsm.verify.Subject is paramfsm.testing.Subject
     assert paramfsm.verify.verify_model is paramfsm.testing.verify_model
     assert paramfsm.verify.VerificationFailed is paramfsm.testing.VerificationFailed
-    assert paramfsm.verify.verify_model.__module__ == "paramfsm.verify.engine"
+    assert paramfsm.verify.verify_model.__module__ == "paramfsm.verify.search"
 
 
 @pytest.mark.parametrize("module", ["paramfsm.verify.faults", "paramfsm.testing.subjects", "paramfsm.verify.command",

@@ -13,7 +13,7 @@ from torch import nn
 
 import paramfsm
 from paramfsm import ModelMismatch
-from paramfsm.rank_agreement import RanksDiffer
+from paramfsm.sharding.rank_agreement import RanksDiffer
 
 
 def stack(depth: int, width: int = 8) -> nn.Sequential:

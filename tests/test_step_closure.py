@@ -3,7 +3,7 @@
 The step's checks (no unsynchronised gradient) and its shard-write
 announcement look at the gradients the closure made, not at the previous
 iteration's: see [Note: a closure's gradients come after the pre-hook] in
-``paramfsm/optim.py``.
+``paramfsm/optim/__init__.py``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 from paramfsm.engine.effects import executor as executor_module
 from paramfsm.engine.effects.executor import MAX_REDUCES_IN_FLIGHT
 from paramfsm.engine.effects.streams import GATHER, PAGE, REDUCE, HostStreams, RecordingStreams, streams_for
-from paramfsm.launch import RankFailure
+from paramfsm.verify.launch import RankFailure
 from paramfsm.testing.scenarios import two_loss_job
 
 
@@ -104,7 +104,7 @@ def _sabotaged_job(rank, world, lane):
 @pytest.mark.parametrize("lane", [GATHER, REDUCE])
 def test_a_removed_join_fails_the_comparison(lane):
     """Each join is load-bearing: without it the loop errors or diverges from plain torch."""
-    from paramfsm.launch import RankPool
+    from paramfsm.verify.launch import RankPool
 
     with RankPool(2, timeout=120) as pool, pytest.raises(RankFailure, match="_sabotaged_job"):
         pool.run(_sabotaged_job, lane)

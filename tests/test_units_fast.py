@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paramfsm import grad_norm
+from paramfsm.optim import grad_norm
 from paramfsm.engine.schedule.plan import Plan
 from paramfsm.errors import ParamFSMError
 

@@ -119,7 +119,7 @@ def parent_built_first_job(rank, world, kind):
 
 @pytest.mark.parametrize("kind", ["offload", "whole"])
 def test_a_subclass_stepping_through_super_steps_once(ranks2, kind):
-    """[Note: a parent's step inside the user's] (paramfsm.offload_step): every unit was stepped twice."""
+    """[Note: a parent's step inside the user's] (paramfsm.optim.offload_step): every unit was stepped twice."""
     plain = parent_built_first_job(0, 0, kind)
     for rank, full in enumerate(ranks2.run(parent_built_first_job, kind)):
         _assert_same(full, plain, rank)

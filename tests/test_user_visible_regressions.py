@@ -4,7 +4,7 @@ Every test states what a user does and what they see, against plain torch or
 the documented contract: which unit a read outside a unit is credited to (the
 ``ReadOutsideUnit`` warning and when the weight is released), the default
 units of ``nn.TransformerDecoder``, leaving ``rt.no_sync()`` after
-``rt.set_requires_gradient_sync(False)``, a :class:`~paramfsm.launch.RankPool`
+``rt.set_requires_gradient_sync(False)``, a :class:`~paramfsm.verify.launch.RankPool`
 after a rank failed, the boundary of ``paramfsm.by_size``, and ``rt.memory()``
 on one rank and two.
 """
@@ -26,7 +26,7 @@ import paramfsm
 from paramfsm import State
 from paramfsm.engine.schedule.on_demand import ReadOutsideUnit
 from paramfsm.errors import UnsyncedGradients
-from paramfsm.launch import RankFailure, RankPool
+from paramfsm.verify.launch import RankFailure, RankPool
 from paramfsm.testing.models import mlp
 
 

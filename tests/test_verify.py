@@ -26,7 +26,7 @@ from paramfsm.verify.programs import (
 from paramfsm.verify.reproduction import render
 from paramfsm.verify.runner import Options, run_program
 from paramfsm.verify.subject import global_batch, load_subject, split
-from paramfsm.verify.engine import (
+from paramfsm.verify.search import (
     EXAMPLES_ENV, VerificationFailed, examples_from_env, probe, verify, verify_model,
 )
 

@@ -14,7 +14,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 
 from paramfsm.verify import sync_checks
-from paramfsm.verify.engine import probe
+from paramfsm.verify.search import probe
 from paramfsm.verify.ops import (
     Backward, Checkpoint, Clip, ClosureStep, Config, Drop, Forward, FullState, GradSync, NoSync, Overflow, Penalty, Program,
     RequiresGrad, Step, SyncGradients, Unscale, ZeroGrad,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 
-from paramfsm.verify.engine import probe
+from paramfsm.verify.search import probe
 from paramfsm.verify.frequencies import frequencies
 from paramfsm.verify.mirror import Mirror
 from paramfsm.verify.ops import Backward, ClosureStep, Config, Drop, Forward, Loss, NoSync, ZeroGrad

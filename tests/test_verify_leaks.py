@@ -15,9 +15,9 @@ import time
 import pytest
 
 from paramfsm.engine.effects.collectives import TIMEOUT_ENV
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 from paramfsm.verify import runner
-from paramfsm.verify.engine import probe
+from paramfsm.verify.search import probe
 from paramfsm.verify.programs import canonical
 
 SUBJECT = "paramfsm.testing.subjects:branchy_lm"  # the fault catalogue's subject

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 
 from paramfsm.errors import RankDesync
 from paramfsm.verify import runner
-from paramfsm.verify.engine import probe
+from paramfsm.verify.search import probe
 from paramfsm.verify.frequencies import frequencies
 from paramfsm.verify.mirror import Mirror
 from paramfsm.verify.ops import Backward, Forward, RankLoss, Step, SubForward

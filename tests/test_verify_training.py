@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 
 import paramfsm
 from paramfsm.verify import faults
-from paramfsm.verify.engine import probe, verify
+from paramfsm.verify.search import probe, verify
 from paramfsm.verify.mirror import Mirror
 from paramfsm.verify.ops import (
     Backward, Checkpoint, Clip, Config, Drop, Forward, FullState, Loss, Overflow, Program, RequiresGrad, Step, Unscale,

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 
 import paramfsm
 from paramfsm.verify.checker import Checker, Failed
-from paramfsm.verify.engine import probe
+from paramfsm.verify.search import probe
 from paramfsm.verify.frequencies import frequencies
 from paramfsm.verify.mirror import Mirror
 from paramfsm.verify.ops import (

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import paramfsm.checkpoint as ck
-from paramfsm import memory as runtime_memory
-from paramfsm import meta, rank_errors
+from paramfsm.checkpoint import state_dicts as ck
+from paramfsm.sharding import memory as runtime_memory
+from paramfsm.sharding import meta, rank_errors
 from paramfsm.checkpoint import background, folders, layout, streamed_load
 from paramfsm.errors import ArgumentError, ParamFSMError
 

@@ -23,7 +23,7 @@ The price is the all-or-nothing property. A read that fails before the
 first unit is written leaves the model and optimizer unchanged, as without
 offload. A read that fails part-way leaves the earlier units loaded and the
 later ones with their old values: the values guard
-(:func:`paramfsm.meta.setting_values`) then stays on, so the model's forward
+(:func:`paramfsm.sharding.meta.setting_values`) then stays on, so the model's forward
 refuses to run until a load (this one again, or any full load) completes, and
 the error says how many units were loaded. Every DCP read is collective, and
 every rank reads the same units in the same order, so the ranks' reads pair up.
@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import contextlib
 
-import paramfsm.checkpoint as ck
-from paramfsm import meta
+from paramfsm.checkpoint import state_dicts as ck
+from paramfsm.sharding import meta
 
 
 def batches(rt, keys, optimizer) -> list[tuple[tuple, list[str]]]:

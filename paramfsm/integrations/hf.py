@@ -25,9 +25,10 @@ import torch.distributed as dist
 import transformers
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from paramfsm import checkpoint, meta, optim
+from paramfsm import checkpoint, optim
+from paramfsm.sharding import meta
 from paramfsm.errors import ParamFSMError
-from paramfsm.rank_errors import agreed, groups_of
+from paramfsm.sharding.rank_errors import agreed, groups_of
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def load_pretrained(rt, directory) -> None:
     does for a model built on meta), so for every module that owns such a buffer,
     still unset, and no parameter of its own, ``model._init_weights(module)`` runs
     here. A buffer still unset after that is named by the forward's guard
-    (:mod:`paramfsm.meta`).
+    (:mod:`paramfsm.sharding.meta`).
     """
     from paramfsm.integrations import safetensors_slices
 

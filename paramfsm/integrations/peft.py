@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from paramfsm.errors import ParamFSMError
-from paramfsm.rank_errors import agreed
+from paramfsm.sharding.rank_errors import agreed
 
 logger = logging.getLogger(__name__)
 

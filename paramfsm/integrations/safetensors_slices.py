@@ -10,7 +10,7 @@ runs. It never holds a whole checkpoint, nor a whole parameter:
    transposed weight, is a wrong shape). A missing key, a wrong shape or a
    truncated file raises :class:`~paramfsm.errors.ParamFSMError` naming the
    tensor before any value is written, so the model keeps the values it had
-   (and a model built on the meta device stays guarded, :mod:`paramfsm.meta`).
+   (and a model built on the meta device stays guarded, :mod:`paramfsm.sharding.meta`).
    Every rank reads the same headers, so every rank raises the same error:
    none goes on alone to a collective the others never reach.
 2. **Then slices, one tensor at a time, one file at a time.** A parameter's
@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-from paramfsm import meta
+from paramfsm.sharding import meta
 from paramfsm.core.spec import State
 from paramfsm.errors import ParamFSMError
 

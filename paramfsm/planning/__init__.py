@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paramfsm.errors import ArgumentError, ParamFSMError
-from paramfsm.rank_errors import agreed
+from paramfsm.sharding.rank_errors import agreed
 from paramfsm.planning import budget as budget_search
 from paramfsm.planning.report import Plan, PhasePeak, parse_bytes, size
 from paramfsm.planning.twin import meta_twin

@@ -18,7 +18,7 @@ from paramfsm.planning.report import Plan, size
 
 def candidates(options: dict) -> list[tuple[str, dict]]:
     """``(description, the options to add)`` in the order of the traffic they add."""
-    from paramfsm.offload import Offload
+    from paramfsm.sharding.offload import Offload
 
     found = []
     if options.get("prefetch", 1) != 0:

@@ -14,7 +14,7 @@ the real scheduler steps the spec's machines and the real executor issues
 its gathers and reduce-scatters, over tensors that have a size and no
 storage: nothing is allocated, so a 70B model plans on a laptop.
 
-The runtime counts what it holds from the states (:func:`paramfsm.memory.memory`,
+The runtime counts what it holds from the states (:func:`paramfsm.sharding.memory.memory`,
 the figures ``rt.memory()`` reports). The rehearsal puts a :class:`~paramfsm.planning.sampler.Sampler`
 where the runtime's trace sits: every transition the FSM takes calls it, and
 it adds up the bytes held right then, by kind, keeping each phase's largest
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paramfsm import meta
+from paramfsm.sharding import meta
 from paramfsm.errors import ParamFSMError
 from paramfsm.planning.sampler import KINDS, PHASES, TIER_KINDS, Sampler, optimizer_state_bytes  # noqa: F401
 

@@ -30,7 +30,7 @@ import itertools
 
 import torch
 
-from paramfsm import memory as runtime_memory
+from paramfsm.sharding import memory as runtime_memory
 from paramfsm.core.fsm import TAGS
 from paramfsm.engine.storage import paged
 

@@ -43,7 +43,7 @@ def meta_twin(model: nn.Module, shapes: dict | None = None, strip_hooks: bool = 
                 hooks = module.__dict__.get(name)
                 if hooks is not None:
                     memo[id(hooks)] = OrderedDict()
-            if "_apply" in module.__dict__:  # a runtime's checked _apply (paramfsm.conversions), bound to it
+            if "_apply" in module.__dict__:  # a runtime's checked _apply (paramfsm.sharding.conversions), bound to it
                 memo[id(module.__dict__["_apply"])] = None
     twin = copy.deepcopy(model, memo)
     if strip_hooks:

@@ -105,7 +105,7 @@ def run_pytest(table: Table) -> None:
 
 
 def two_loss_runs(table: Table) -> None:
-    from paramfsm.launch import RankFailure, RankPool
+    from paramfsm.verify.launch import RankFailure, RankPool
     from paramfsm.testing.scenarios import two_loss_job
 
     runs = [("1 rank NCCL, as users get it", "defer", False),

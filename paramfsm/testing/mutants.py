@@ -30,10 +30,10 @@ import attrs
 
 from paramfsm import cli
 from paramfsm.core.trace import Trace
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 from paramfsm.verify import faults
 from paramfsm.verify.faults import CATALOGUE, Fault
-from paramfsm.verify.engine import Finding, verify
+from paramfsm.verify.search import Finding, verify
 
 log = logging.getLogger(__name__)
 

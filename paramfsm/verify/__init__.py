@@ -5,7 +5,7 @@ runs on local gloo ranks (:mod:`.runner`) beside an unsharded plain-torch
 copy (:mod:`.mirror`), checked after every op (:mod:`.checker`,
 :mod:`.checks`); a failure is shrunk and printed as a runnable reproduction
 (:mod:`.reproduction`). :mod:`.subject` describes the model under test,
-:mod:`.engine` drives hypothesis, :mod:`.command` is the command line, and
+:mod:`.search` drives hypothesis, :mod:`.command` is the command line, and
 :mod:`.faults` is the catalogue of real bugs verify must catch.
 
 ``verify_model`` and ``VerificationFailed`` need hypothesis (``pip install
@@ -23,5 +23,5 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module("paramfsm.verify.engine"), name)
+        return getattr(importlib.import_module("paramfsm.verify.search"), name)
     raise AttributeError(f"module 'paramfsm.verify' has no attribute {name!r}")

@@ -268,7 +268,7 @@ class Checker:
         if problems:
             raise Failed("stale data", problems)
         state_op = isinstance(op, (FullState, Checkpoint, Save))  # one all-gather per parameter, by design
-        # A whole-parameter optimizer's step gathers each parameter and its gradient (paramfsm.whole_params);
+        # A whole-parameter optimizer's step gathers each parameter and its gradient (paramfsm.optim.whole_params);
         # a ClosureStep is refused under one, and a Restore primes the state with a step.
         state_op += 2 * (self.config.optimizer != "subject" and isinstance(op, (Step, PartStep, Restore)))
         forwards = len(op.batches) - 1 if isinstance(op, Evaluate) else 0  # an eval segment's later forwards

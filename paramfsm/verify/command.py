@@ -112,7 +112,7 @@ def run(args) -> int:
     from paramfsm.cli import CommandError
 
     try:
-        from paramfsm.verify.engine import FactoryError, examples_from_env, verify
+        from paramfsm.verify.search import FactoryError, examples_from_env, verify
     except ImportError as exc:
         raise CommandError(f"paramfsm verify needs hypothesis ({exc}); install it with "
                            "pip install 'paramfsm[test]'", 2) from None

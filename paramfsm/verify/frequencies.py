@@ -90,7 +90,7 @@ def frequencies(shape, examples: int = 50, seeds: int = 10, max_ops: int = 16) -
 
 
 def main(argv=None) -> int:
-    from paramfsm.verify.engine import probe
+    from paramfsm.verify.search import probe
 
     parser = argparse.ArgumentParser(prog="python -m paramfsm.verify.frequencies", description=__doc__.split("\n")[0])
     parser.add_argument("factory", metavar="MODULE:FACTORY")

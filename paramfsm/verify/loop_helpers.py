@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 import paramfsm
 from paramfsm.errors import ArgumentError
-from paramfsm.offload import Offload
+from paramfsm.sharding.offload import Offload
 
 #: The loss scaler of fp16 programs, in paramfsm (``paramfsm.amp.GradScaler``) and in the reference
 #: (``torch.amp.GradScaler``): a small initial scale that grows every second step, so a program of a few
@@ -340,7 +340,7 @@ def load_plain_dcp(rt, optimizer, path: str) -> None:
     (the :class:`~paramfsm.verify.ops.Restore` op's ``plain`` way; the lines a reproduction renders)."""
     import torch.distributed.checkpoint as dcp
 
-    import paramfsm.checkpoint as ck
+    from paramfsm.checkpoint import state_dicts as ck
 
     model, optim = rt.sharded_state_dict(), ck.sharded_optim_state_dict(rt, optimizer)
     loaded = {**model, **optim}

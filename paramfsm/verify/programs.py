@@ -297,7 +297,7 @@ def configs(shape: Shape | None = None) -> st.SearchStrategy[Config]:
 
 
 def _whole_steppable(config: Config, shape: Shape | None) -> Config:
-    """A whole-parameter optimizer is refused under offload (paramfsm.whole_params): the subject's then."""
+    """A whole-parameter optimizer is refused under offload (paramfsm.optim.whole_params): the subject's then."""
     offloaded = config.offload is not None or (shape is not None and shape.offload)
     return attrs.evolve(config, optimizer="subject") if offloaded else config
 

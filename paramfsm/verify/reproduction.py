@@ -18,7 +18,7 @@ Run the script with ``torchrun --nproc-per-node WORLD``: :func:`run_reproduction
 prints the check's message and exits 1 while the bug is present, and exits 0
 once it is fixed. The script records the folder ``paramfsm verify`` imported the
 factory's module from, so it runs wherever it is saved. :func:`run_saved` runs
-a saved script on the ranks of a :class:`~paramfsm.launch.RankPool` instead.
+a saved script on the ranks of a :class:`~paramfsm.verify.launch.RankPool` instead.
 """
 
 from __future__ import annotations

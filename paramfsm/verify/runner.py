@@ -1,6 +1,6 @@
 """Run one program on one rank, beside the plain-torch reference, checking after every op.
 
-:func:`run_program` is the job a :class:`~paramfsm.launch.RankPool` runs on
+:func:`run_program` is the job a :class:`~paramfsm.verify.launch.RankPool` runs on
 every rank. Each rank shards a fresh model from the factory, keeps an
 unsharded deep copy as the reference (:class:`~paramfsm.verify.mirror.Mirror`)
 and applies every op of the program to both, the reference first: an op
@@ -351,7 +351,7 @@ def run_program(rank: int, world: int, factory, program: Program, options: Optio
     thousands of threads in each rank. A full collection walks the whole heap of a rank that imported torch,
     the model's libraries and Hypothesis (50 ms a program, a tenth of a small program's time), so before the
     program starts what is alive is collected and frozen (``gc.freeze``), as a rank of a
-    :class:`~paramfsm.launch.RankPool` froze its start-up heap (see [Note: a rank's start-up heap is frozen]):
+    :class:`~paramfsm.verify.launch.RankPool` froze its start-up heap (see [Note: a rank's start-up heap is frozen]):
     the collection at the end walks only what this program made. Nothing frozen can hold this program's group,
     which does not exist yet. ``tests/test_verify_leaks.py`` holds every outcome to flat counts.
     """

@@ -3,7 +3,7 @@
 A script :func:`paramfsm.verify.reproduction.render` writes ends in ``run_reproduction(main, fault=FAULT)``:
 it runs the script's ``main(rank, world)`` under the catalogued fault (if any), prints the failed check and
 returns the exit status, and leaves no process group behind. :func:`run_saved` runs a saved script in a
-:class:`~paramfsm.launch.RankPool`'s group, as the suite runs ``tests/reproductions/``.
+:class:`~paramfsm.verify.launch.RankPool`'s group, as the suite runs ``tests/reproductions/``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def run_reproduction(main, *, fault: str | None = None, timeout_s: float = 60.0,
 
 
 def run_saved(rank: int, world: int, path: str) -> tuple[int, str]:
-    """A :class:`~paramfsm.launch.RankPool` job: run the saved reproduction at ``path``; return (status, output).
+    """A :class:`~paramfsm.verify.launch.RankPool` job: run the saved reproduction at ``path``; return (status, output).
 
     The script's ``main`` runs in the pool's process group, under the script's
     ``FAULT`` (undone afterwards), so one pool can run many reproductions.

@@ -220,7 +220,7 @@ class UserLoopIntents:
         the last micro-batch, which synchronises them (the closure keeps their gradients); ``a`` even: the
         closure zeroes the gradients first. The forwards run in ``AUTO_MODES[(a // 2) % 3]``.
         """
-        # A closure is refused under offload and by a whole-parameter optimizer (paramfsm.whole_params).
+        # A closure is refused under offload and by a whole-parameter optimizer (paramfsm.optim.whole_params).
         refused = self.config.offload is not None or self.shape.offload or self.config.optimizer != "subject"
         if self.shape.optimizers != 1 or self.config.scaled or refused or not self.sync_on or self.window:
             return

@@ -72,7 +72,7 @@ class Gathers:
 
         Each parameter is gathered in its compute dtype (``param_dtype``, else its
         shard's; batch norms keep their shard's: see ``compute_dtypes`` in
-        :mod:`paramfsm.assembly`). A bucket whose parameters have different
+        :mod:`paramfsm.sharding.assembly`). A bucket whose parameters have different
         compute dtypes is gathered as one all-gather per dtype, so each parameter
         comes back in its own (the order of the groups is the same on every rank).
         """

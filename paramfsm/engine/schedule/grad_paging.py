@@ -13,7 +13,7 @@ like shards and optimizer state, so its moves are traced, replayable and checked
   (it is written, and released: with no bound on the resident set it is
   written to its tier and dropped at once). A gradient new to the tier gets its
   placement there.
-* The optimizer step (:mod:`paramfsm.offload_step`) needs each unit's shard
+* The optimizer step (:mod:`paramfsm.optim.offload_step`) needs each unit's shard
   gradients with its shards and optimizer state (:meth:`GradPaging.of`).
 * Any other reader (``rt.clip_grad_norm_``, ``GradScaler.unscale_``,
   ``zero_grad(set_to_none=False)``, user code) pages a gradient in on demand,

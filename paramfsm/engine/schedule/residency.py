@@ -11,7 +11,7 @@ their effects to the tier's :class:`~paramfsm.engine.effects.paging.Pager`.
   it in the recorded order is paged in ahead, on the tier's thread.
 * When the gather has landed (unpacked, or dropped unused) the shards are
   released: they may be paged out.
-* The optimizer step (:mod:`paramfsm.offload`) runs unit by unit, needing the
+* The optimizer step (:mod:`paramfsm.sharding.offload`) runs unit by unit, needing the
   unit's shards and optimizer state, then writing them and releasing them.
 
 [Note: the resident set]

@@ -87,9 +87,9 @@ class Scheduler:
         self.on_demand.attach(self.graph)
         writes = ShardWrites(step_one, self.holds.release_kept)
         # Offloaded shards and optimizer state (paramfsm.engine.schedule.residency), or None; the plan
-        # (tiers, which units offload what) is the facade's (paramfsm.offload); see attach_offload.
+        # (tiers, which units offload what) is the facade's (paramfsm.sharding.offload); see attach_offload.
         self.residency = self.offload_plan = None
-        # The count of each phase's peak memory once rt.reset_peak_memory() turned it on (paramfsm.memory), or None.
+        # The count of each phase's peak memory once rt.reset_peak_memory() turned it on (paramfsm.sharding.memory), or None.
         self.peaks = None
         self._effects = self._effect_runners()
         graph = self.graph

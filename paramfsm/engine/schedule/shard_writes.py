@@ -34,7 +34,7 @@ plain torch. Their copies are still dropped: a re-gather costs a
 collective, a stale copy would cost a silent wrong result.
 
 ``WRITTEN_BACK`` is the other direction: ``rt.gathered(writeback=True)``
-found full copies changed in place (see :mod:`paramfsm.gathered`), and the
+found full copies changed in place (see :mod:`paramfsm.sharding.gathered`), and the
 ``written_back`` rows copy each rank's slice of the held copy into its shard.
 """
 

@@ -152,7 +152,7 @@ class DiskTier:
 
     def reserve(self, nbytes: int, owner: str) -> None:
         """Allocate ``nbytes`` more past the last slot, for slots placed later (see [Note: a first step that
-        cannot finish changes nothing] in :mod:`paramfsm.step_space`); a full disk raises here."""
+        cannot finish changes nothing] in :mod:`paramfsm.optim.step_space`); a full disk raises here."""
         try:
             if nbytes:
                 os.posix_fallocate(self.fd, self._end, nbytes)

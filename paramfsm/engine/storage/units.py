@@ -298,7 +298,7 @@ def make_shard(param: torch.Tensor, rank: int, world: int,
 
     Only the slice is copied (no full-size padded temporary). A parameter on the
     meta device has no values: its shard is allocated on ``device``, uninitialised
-    (see :mod:`paramfsm.meta` for what guards it until values are set).
+    (see :mod:`paramfsm.sharding.meta` for what guards it until values are set).
     """
     numel = param.numel()
     shard_numel = -(-numel // world)

@@ -12,7 +12,7 @@ block and restores it afterwards; nothing in the normal code path knows
 about faults.
 
 Faults act in the process that activates them. Under a
-:class:`~paramfsm.launch.RankPool` the rank job activates the fault by name
+:class:`~paramfsm.verify.launch.RankPool` the rank job activates the fault by name
 (``paramfsm.verify.runner.run_program`` takes it in its options), around
 ``paramfsm.shard`` and the whole program: patches of methods the scheduler
 binds at construction (its effect table) only take effect on runtimes

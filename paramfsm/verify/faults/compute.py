@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from paramfsm import assembly
+from paramfsm.sharding import assembly
 from paramfsm.engine.storage import partitioned
 from paramfsm.verify.faults.patching import patched
 

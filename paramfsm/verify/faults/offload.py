@@ -26,7 +26,8 @@ import fcntl
 import os
 
 import paramfsm.checkpoint as ck
-from paramfsm import offload
+from paramfsm.checkpoint import state_dicts
+from paramfsm.sharding import offload
 from paramfsm.engine.effects.paging import Pager
 from paramfsm.engine.schedule.grad_paging import GradPaging
 from paramfsm.engine.schedule.residency import Residency
@@ -99,7 +100,7 @@ def state_dict_copies():
     """``rt.sharded_state_dict()`` hands out the pieces of a streaming save, which read the tier into copies."""
     def make(original):
         def sharded_state_dict(rt, layout="model"):
-            return ck._model_state(rt, layout, streaming=True)  # the bug: a save's copies, not views to load into
+            return state_dicts._model_state(rt, layout, streaming=True)  # the bug: a save's copies, not views to load into
         return sharded_state_dict
     return patched(ck, "sharded_state_dict", make)
 

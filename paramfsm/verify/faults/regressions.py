@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 
-from paramfsm import accumulation
+from paramfsm.sharding import accumulation
 from paramfsm.engine.schedule.grad_order import GradRouting
 from paramfsm.verify.faults.patching import patched
 

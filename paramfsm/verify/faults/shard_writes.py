@@ -11,7 +11,7 @@ the last two through a refusal every rank must raise (a write inside
 
 from __future__ import annotations
 
-from paramfsm import gathered, model_changes
+from paramfsm.sharding import gathered, model_changes
 from paramfsm.engine.schedule.shard_writes import ShardWrites
 from paramfsm.verify.faults.patching import patched
 

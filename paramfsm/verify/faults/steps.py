@@ -16,7 +16,8 @@ optimizer="subclass")``).
 
 from __future__ import annotations
 
-from paramfsm import grad_norm, offload_step, optim
+from paramfsm import optim
+from paramfsm.optim import grad_norm, offload_step
 from paramfsm.engine.effects import lost_writes
 from paramfsm.engine.schedule import residency
 from paramfsm.verify.faults.patching import patched

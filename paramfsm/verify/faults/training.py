@@ -1,7 +1,7 @@
 """The fault catalogue's loss-scaling, clipping and checkpoint bugs (:data:`paramfsm.verify.faults.CATALOGUE`).
 
 Each function returns the context manager that injects one bug by patching
-``paramfsm.amp.GradScaler``, ``paramfsm.grad_norm.clip_grad_norm_`` or
+``paramfsm.amp.GradScaler``, ``paramfsm.optim.grad_norm.clip_grad_norm_`` or
 ``paramfsm.checkpoint.layout.valid_range`` (the shard range both layouts save) for the duration of the block; the
 catalogue entries in :mod:`paramfsm.verify.faults` name each bug's source.
 """
@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from paramfsm import amp, grad_norm, optim
+from paramfsm import amp, optim
+from paramfsm.optim import grad_norm
 from paramfsm.checkpoint import layout as checkpoint_layout
 from paramfsm.verify.faults.patching import patched
 

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import attrs
 
-from paramfsm import full_state
+from paramfsm.sharding import full_state
 from paramfsm.core import replay as replay_module
 from paramfsm.core.fsm import Lifetime, StepContext, default_table, step
 from paramfsm.core.trace import SNAPSHOT, Trace

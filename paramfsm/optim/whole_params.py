@@ -21,7 +21,7 @@ own on the full parameters, as in plain torch. Its state is the state of full pa
 Adafactor's row and column factors), kept on every rank: for these parameters the optimizer state is
 replicated, as under DDP, rather than sharded. Stepping each parameter on one owner rank and scattering the
 result would shard it by parameter; that is not built. Hooks see one step
-(:mod:`paramfsm.offload_step` runs the units through the optimizer's bare step function).
+(:mod:`paramfsm.optim.offload_step` runs the units through the optimizer's bare step function).
 A closure (LBFGS evaluates it between updates) and an offloaded model are refused at the first step.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from paramfsm import full_state
+from paramfsm.sharding import full_state
 
 
 def step_runtime(optimizer, rt, records, saved, stepped: set, step_only) -> None:

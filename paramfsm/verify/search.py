@@ -2,7 +2,7 @@
 
 Hypothesis draws training-loop programs (:mod:`paramfsm.verify.programs`)
 in this process; each program runs, identical, on every rank of a
-:class:`~paramfsm.launch.RankPool` beside a plain-torch reference
+:class:`~paramfsm.verify.launch.RankPool` beside a plain-torch reference
 (:mod:`paramfsm.verify.runner`), with checks after every op. A failing
 program is shrunk (hypothesis deletes and simplifies ops, within a time
 budget) and reported as a runnable reproduction that calls only the public
@@ -42,7 +42,7 @@ from hypothesis.errors import Unsatisfiable
 
 from paramfsm.engine.storage.units import select_unit_modules
 from paramfsm.engine.storage.unsupported import refuse_unsupported
-from paramfsm.launch import RankFailure, RankPool
+from paramfsm.verify.launch import RankFailure, RankPool
 from paramfsm.verify.faults import FAULTS
 from paramfsm.verify.mirror import blocks_of
 from paramfsm.verify.programs import Config, Program, Shape, canonical, programs

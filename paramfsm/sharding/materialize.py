@@ -44,11 +44,11 @@ import math
 import torch
 from torch import nn
 
-from paramfsm import full_state, meta
+from paramfsm.sharding import full_state, meta
 from paramfsm.core.spec import State
 from paramfsm.engine.storage import placeholder
 from paramfsm.errors import NotGathered, ParamFSMError
-from paramfsm.rank_errors import agreed, groups_of
+from paramfsm.sharding.rank_errors import agreed, groups_of
 
 
 def init_weights(rt, fn=None) -> None:

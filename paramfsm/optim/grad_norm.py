@@ -12,7 +12,7 @@ the per-parameter "norm" counts nonzero elements and the total counts the
 parameters whose gradient has any, so the shards' nonzero counts are summed
 per parameter (one all-reduce of a vector) before counting.
 
-The all-reduce is the runtime's rank-checked one (:func:`paramfsm.full_state.all_reduce`),
+The all-reduce is the runtime's rank-checked one (:func:`paramfsm.sharding.full_state.all_reduce`),
 so a rank that clips while its peers gather raises RankDesync instead of waiting.
 
 [Note: plain clipping over shards]
@@ -43,7 +43,8 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as torch_clip
 
-from paramfsm import accumulation, full_state, optim
+from paramfsm import optim
+from paramfsm.sharding import accumulation, full_state
 from paramfsm.errors import ParamFSMError
 
 log = logging.getLogger(__name__)

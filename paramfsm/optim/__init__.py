@@ -29,6 +29,10 @@ optimizer that has been scanned is remembered with its number of param groups
 and the sharding generation (bumped by every ``paramfsm.shard``), so a later
 step costs one weak-dictionary lookup; a group added with ``add_param_group``,
 or a model sharded after the optimizer first stepped, is mapped at the next step.
+
+The folder holds the rest of what a step over shards needs: :mod:`.offload_step` (an offloaded step,
+unit by unit), :mod:`.step_space` (the disk space its first step needs), :mod:`.whole_params`
+(optimizers whose update reads a whole parameter) and :mod:`.grad_norm` (``rt.clip_grad_norm_``).
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import offload_step
-from paramfsm.accumulation import refuse_step
+from paramfsm.optim import offload_step
+from paramfsm.sharding.accumulation import refuse_step
 from paramfsm.engine.effects.grad_sync import UNSYNCED
 from paramfsm.engine.storage.partitioned import OWNERS, owner, record_of
 from paramfsm.errors import ParamFSMError
@@ -76,7 +80,7 @@ class OptimizerNotElementwise(ParamFSMError):
 #: rule may read the parameter's shape or a whole-tensor quantity (Adafactor's factored second moment, Muon's
 #: orthogonalisation of the 2-D update, LAMB's and LARS's trust ratios, Shampoo's preconditioners): on flat
 #: shards it would compute something else with no error, or raise torch's own error about the shape. So it is
-#: stepped on whole parameters (:mod:`paramfsm.whole_params`), which costs two all-gathers per parameter per
+#: stepped on whole parameters (:mod:`paramfsm.optim.whole_params`), which costs two all-gathers per parameter per
 #: step and keeps its state replicated; an optimizer the user declares element-wise (:func:`elementwise`)
 #: steps shards instead. Where whole parameters cannot be stepped (a closure, an offloaded model), its first
 #: step is refused, naming the parameter and the declaration.
@@ -191,7 +195,7 @@ def shards():
 
 
 def _before_step(optimizer, args, kwargs):
-    if offload_step.inner():  # one unit's step inside an offloaded step (paramfsm.offload_step)
+    if offload_step.inner():  # one unit's step inside an offloaded step (paramfsm.optim.offload_step)
         return None
     if offload_step.within_step(optimizer):  # a parent's step through super(), inside the user's
         return None
@@ -221,7 +225,7 @@ def _before_step(optimizer, args, kwargs):
 
 
 def _check_and_announce(optimizer, writers) -> None:
-    if UNSYNCED:  # gradients kept under rt.no_sync are never stepped (paramfsm.accumulation)
+    if UNSYNCED:  # gradients kept under rt.no_sync are never stepped (paramfsm.sharding.accumulation)
         refuse_step(optimizer)
     if writers is not None:
         _announce_writes(optimizer, writers)
@@ -284,7 +288,7 @@ def _alive(writers) -> tuple:
 
 
 def _step_offloaded(optimizer, writers, args, kwargs) -> None:
-    """Step the shards of offloading runtimes unit by unit now (see paramfsm.offload_step)."""
+    """Step the shards of offloading runtimes unit by unit now (see paramfsm.optim.offload_step)."""
     offloading = offload_step.offloading(writers)
     if offloading:
         offload_step.step_by_unit(optimizer, offloading, args, kwargs)
@@ -381,7 +385,7 @@ def _shard_for(optimizer, param):
 
 def _param_for(optimizer, shard):
     """The parameter of ``shard``, for a whole-parameter optimizer given shards (see [Note: whole-parameter
-    optimizers] in :mod:`paramfsm.whole_params`)."""
+    optimizers] in :mod:`paramfsm.optim.whole_params`)."""
     entry = _SHARDS.get(shard)
     scheduler = entry[0]() if entry is not None and entry[0] is not None else None
     if scheduler is None:

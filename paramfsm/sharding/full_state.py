@@ -46,13 +46,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from paramfsm import meta
+from paramfsm.sharding import meta
 from paramfsm.core.spec import State
 from paramfsm.engine.effects import kernels, rankcheck
 from paramfsm.engine.effects.collectives import all_gather_flat, coalesced
 from paramfsm.engine.effects.gathers import BACKWARD_END
 from paramfsm.errors import ParamFSMError
-from paramfsm.rank_errors import agreed, groups_of
+from paramfsm.sharding.rank_errors import agreed, groups_of
 
 PARAMETER, GRADIENT = "parameter", "gradient"
 #: The all-reduces of :func:`all_reduce`, in the order of their tag indices after the full tensors'.
@@ -197,7 +197,7 @@ def _full_parameter(rt, rec, keep: bool, failed: list) -> torch.Tensor | None:
     page-in, or rank 0's copy of a full tensor to the CPU, can fail on one rank only (its disk, its
     memory). That rank does not leave the gathers: the peers would wait in the next one for
     ``collective_timeout``. It sends zeros for every shard it could not read, keeps nothing more, and
-    after the last gather the ranks agree the outcome (:func:`paramfsm.rank_errors.agreed`): every
+    after the last gather the ranks agree the outcome (:func:`paramfsm.sharding.rank_errors.agreed`): every
     rank raises, and none returns a state dict with a stand-in in it. Errors of the gathers
     themselves (RankDesync, CollectiveTimeout) are the ranks' together and are raised at once.
     """

@@ -11,7 +11,7 @@ an attention key bias, into full-size steps, which says nothing about
 sharding), prints the loss per step, and writes the FSM
 trace of every rank (JSON Lines + Perfetto) under ``--out``.
 
-    python -m paramfsm.demo [--steps 30] [--world 2] [--out demo-out]
+    python -m paramfsm.testing.demo [--steps 30] [--world 2] [--out demo-out]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from paramfsm.launch import RankPool
+from paramfsm.verify.launch import RankPool
 
 VOCAB, DIM, DEPTH, SEQ, PER_RANK = 64, 32, 2, 16, 4
 

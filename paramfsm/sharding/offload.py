@@ -18,7 +18,7 @@ optimizer state of only that fraction of the units (by shard bytes, in unit
 order), as DeepSpeed's ``offload_optimizer.ratio`` does.
 
 The optimizer step over offloaded state runs unit by unit
-(:mod:`paramfsm.offload_step`): each unit's shards and optimizer state are
+(:mod:`paramfsm.optim.offload_step`): each unit's shards and optimizer state are
 paged in, stepped, written back and released in turn, so an optimizer built
 over ``model.parameters()`` keeps working and never needs the whole state at once.
 
@@ -38,7 +38,7 @@ from paramfsm.engine.effects.paging import Pager
 from paramfsm.engine.effects.streams import PAGE, DeviceStreams
 from paramfsm.engine.schedule.grad_paging import GradPaging
 from paramfsm.engine.schedule.residency import Paged, Residency
-from paramfsm import meta
+from paramfsm.sharding import meta
 from paramfsm.engine.storage.tiers import DiskTier, HostTier, RehearsalTier
 from paramfsm.errors import ArgumentError, ArgumentTypeError
 

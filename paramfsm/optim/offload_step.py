@@ -37,9 +37,10 @@ import sys
 import weakref
 from collections import OrderedDict
 
-from paramfsm import rank_errors, step_space, whole_params
+from paramfsm.optim import step_space, whole_params
+from paramfsm.sharding import rank_errors
 from paramfsm.errors import OffloadError
-from paramfsm.offload import optimizer_placement
+from paramfsm.sharding.offload import optimizer_placement
 
 #: optimizer -> (the param groups' params, its own step pre-hooks), held aside until its step's post-hook
 #: restores them (see [Note: hooks see the step the user called]).
@@ -61,7 +62,7 @@ def offloading(writers) -> list:
 
 def step_by_unit(optimizer, writers, args, kwargs, runtimes=None) -> None:
     """Step ``optimizer`` unit by unit over the offloaded runtimes in ``writers`` (module docstring), or, with
-    ``runtimes`` (each writer's runtime), on whole parameters (:mod:`paramfsm.whole_params`)."""
+    ``runtimes`` (each writer's runtime), on whole parameters (:mod:`paramfsm.optim.whole_params`)."""
     if runtimes is None:  # before any hook or unit: a step refused for its space changes nothing
         step_space.reserve_new_state(optimizer, offloading(writers))
     args, kwargs = _own_pre_hooks(optimizer, args, kwargs)
@@ -103,7 +104,7 @@ def _agreed(writers):
 
     [Note: a later step one rank cannot finish]
     The first offloaded step reserves its disk space before any unit steps, so a full disk changes nothing
-    (:mod:`paramfsm.step_space`). A later step can still fail on one rank: a page-in or a write-back that
+    (:mod:`paramfsm.optim.step_space`). A later step can still fail on one rank: a page-in or a write-back that
     its disk refuses (an I/O error), or the optimizer's own step raising on that rank's values. Raised there
     alone, the other ranks would finish their step and wait in the next forward's gather for
     ``collective_timeout``. So the loop over the units, which makes no collective call, ends with one

@@ -11,8 +11,8 @@ import sys
 
 from torch import nn
 
-from paramfsm import accumulation, conversions, full_state, model_changes
-from paramfsm.assembly import PARTITIONED, SHARDED
+from paramfsm.sharding import accumulation, conversions, full_state, model_changes
+from paramfsm.sharding.assembly import PARTITIONED, SHARDED
 from paramfsm.engine.events import hooks
 from paramfsm.engine.storage import partitioned, placeholder
 

@@ -2,7 +2,7 @@
 scheduler -> fsm -> executor) behind :class:`paramfsm.runtime.Runtime`.
 
 The facade keeps the public methods; what it takes to put a model under
-paramfsm, and to hand it back (:mod:`paramfsm.teardown`), lives here, so each
+paramfsm, and to hand it back (:mod:`paramfsm.sharding.teardown`), lives here, so each
 concern has one module.
 """
 
@@ -22,7 +22,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import conversions, full_state, grad_norm, memory, meta, model_changes, optim, rank_agreement
+from paramfsm import optim
+from paramfsm.optim import grad_norm
+from paramfsm.sharding import conversions, full_state, memory, meta, model_changes, rank_agreement
 from paramfsm.core.fsm import compile_table, default_table
 from paramfsm.core.spec import load_spec
 from paramfsm.engine.effects.collectives import resolve_group, resolve_mesh, timeout_s
@@ -37,8 +39,8 @@ from paramfsm.engine.storage import default_units, partitioned, placeholder
 from paramfsm.engine.storage.units import build_units, select_unit_modules
 from paramfsm.engine.storage.unsupported import refuse_transforms, refuse_unsupported
 from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
-from paramfsm.offload import plan as offload_plan
-from paramfsm.rank_errors import agreed, groups_of
+from paramfsm.sharding.offload import plan as offload_plan
+from paramfsm.sharding.rank_errors import agreed, groups_of
 
 RETAIN_POLICIES = ("defer", "regather")
 # Weak registries (they never keep a model alive): sharded models, and each partitioned

@@ -4,7 +4,7 @@
 torch optimizers create their state (Adam's moments, SGD's momentum buffer)
 inside the first ``step()`` that sees a parameter. Under
 ``Offload(optimizer="disk")`` that state is paged out unit by unit as the
-step goes (:mod:`paramfsm.offload_step`), and its tier space was reserved
+step goes (:mod:`paramfsm.optim.offload_step`), and its tier space was reserved
 then: a full disk raised after some units had already stepped, leaving
 parameters neither as they were nor one step on, state created for some
 parameters and never placed (every later step failed on it), and the other
@@ -31,7 +31,7 @@ import logging
 
 import torch
 
-from paramfsm import rank_errors
+from paramfsm.sharding import rank_errors
 from paramfsm.engine.storage.tiers import ALIGN
 from paramfsm.errors import OffloadError
 

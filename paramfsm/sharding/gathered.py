@@ -22,7 +22,7 @@ the block ends, on every rank:
   that raised takes part in the agreement with every parameter marked as
   raised, so the other ranks raise too, naming it, instead of waiting for it
   in the all-gather ([Note: an error one rank meets] in
-  :mod:`paramfsm.rank_errors`).
+  :mod:`paramfsm.sharding.rank_errors`).
 
 ``p.grad`` inside the block stays this rank's shard gradient, as outside it
 (see :mod:`paramfsm.engine.storage.partitioned`): zeroing and clamping reach it,
