@@ -1,4 +1,4 @@
-"""A bucket's exchanges are handed to the exchange thread together (paramfsm.engine.effects.exchange).
+"""A bucket's exchanges are handed to the exchange thread together (paramfsm.engine.effects.gloo.exchange).
 
 The gather side posts each in-place all-gather and the packed rest inside
 ``coalesced()``: the thread must receive them as one submission, in the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from paramfsm.engine.effects import exchange
+from paramfsm.engine.effects.gloo import exchange
 
 
 class _Recording(exchange._Issuer):

@@ -19,7 +19,7 @@ from paramfsm import State
 from paramfsm.engine.effects.collectives import (
     GLOO_ALL_REDUCE_BYTES, _ViaAllReduce, all_gather_flat, reduce_scatter_flat,
 )
-from paramfsm.engine.effects.exchange import Exchange
+from paramfsm.engine.effects.gloo.exchange import Exchange
 from paramfsm.engine.events.events import GRAPH_FREED
 from paramfsm.testing import Reference, assert_close_dicts, rank_slice, sharded_grads
 
@@ -289,7 +289,7 @@ def fresh_groups_job(rank, world):
     pattern): every new group's exchanges start from tag 0 and its results are right."""
     import torch.distributed as dist
 
-    from paramfsm.engine.effects import exchange
+    from paramfsm.engine.effects.gloo import exchange
 
     rows = []
     for round_ in range(6):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._C import DisableTorchFunctionSubclass
 
 import paramfsm
-from paramfsm.engine.effects import exchange
+from paramfsm.engine.effects.gloo import exchange
 from test_offload import _batch, _model
 
 pytestmark = pytest.mark.slow

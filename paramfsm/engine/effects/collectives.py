@@ -6,7 +6,7 @@ the work handle on the host (:func:`waiter` builds one with a time limit, so
 no wait hangs forever; see [Note: every host wait has a limit]). torch 2.13
 names the flat collectives ``all_gather_single`` /
 ``reduce_scatter_single``; older releases call them ``all_gather_into_tensor``
-/ ``reduce_scatter_tensor``. Both are looked up once here.
+/ ``reduce_scatter_tensor``; :mod:`paramfsm.engine.effects.groups` looks both up once.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from paramfsm.engine.effects import exchange
-from paramfsm.engine.effects.rankcheck import Refused
+from paramfsm.engine.effects.gloo import exchange
+from paramfsm.engine.effects.gloo.agreement import Refused
+from paramfsm.engine.effects.groups import ALL_GATHER as _ALL_GATHER
+from paramfsm.engine.effects.groups import REDUCE_SCATTER as _REDUCE_SCATTER
+from paramfsm.engine.effects.groups import PerGroup
 from paramfsm.errors import NotInitialized
-
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def resolve_group(group, device: torch.device | None = None):
@@ -122,21 +122,9 @@ def waiter(limit_s: float, timed_out: Callable[[float], BaseException],
     return wait
 
 
-def _plain_wait(work) -> None:
-    """``work.wait()``: for CUDA tensors a stream wait, which blocks no host thread."""
-    if work is not None:
-        work.wait()
-
-
-def _on(tensor: torch.Tensor, wait: Callable | None) -> Callable:
-    """The wait for a collective on ``tensor``: ``wait`` (a waiter) for CPU tensors; for CUDA ones, or
-    without a waiter, ``work.wait()``."""
-    return wait if wait is not None and tensor.device.type == "cpu" else _plain_wait
-
-
 #: ``with coalesced(fields):`` hands the point-to-point exchanges issued inside to the exchange thread at
 #: once, named by ``fields`` in their header (see [Note: a bucket's exchanges are posted together] in
-#: :mod:`paramfsm.engine.effects.exchange`); other collectives are issued as before.
+#: :mod:`paramfsm.engine.effects.gloo.exchange`); other collectives are issued as before.
 coalesced = exchange.coalesced
 
 
@@ -156,7 +144,7 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool 
     """All-gather ``inp`` (S elements) from every rank into ``out`` (world*S, rank-major).
 
     CPU tensors on gloo are exchanged point to point (see [Note: gloo exchanges
-    shards point to point] in :mod:`paramfsm.engine.effects.exchange`).
+    shards point to point] in :mod:`paramfsm.engine.effects.gloo.exchange`).
     """
     if inp.device.type == "cpu" and _is_gloo(group):
         rank, world = _shape(group)
@@ -173,7 +161,7 @@ def _finish(handle, async_op: bool):
     return None
 
 
-_SHAPES = exchange.PerGroup()
+_SHAPES = PerGroup()
 
 
 def _shape(group) -> tuple[int, int]:
@@ -219,7 +207,7 @@ def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: b
 #: Reduce-scatter inputs on gloo from this many bytes on are all-reduced instead.
 GLOO_ALL_REDUCE_BYTES = 1 << 18
 
-_GLOO = exchange.PerGroup()
+_GLOO = PerGroup()
 
 
 def _is_gloo(group) -> bool:
@@ -281,20 +269,3 @@ def resolve_mesh(mesh) -> tuple:
     if mesh.ndim == 2:
         return mesh.get_group(1), mesh.get_group(0)
     raise ValueError(f"mesh of {mesh.ndim} dimensions: expected 1 (shard) or 2 (replicate, shard)")
-
-
-def all_gather_tags(tag: torch.Tensor, world: int, group, wait: Callable | None = None) -> torch.Tensor:
-    """All-gather a small 1-D tag vector, blocking; one row per rank (the rank-order check's header)."""
-    out = torch.empty(world * tag.numel(), dtype=tag.dtype, device=tag.device)
-    _on(tag, wait)(_ALL_GATHER(out, tag, group=group, async_op=True))
-    return out.view(world, -1)
-
-
-def all_reduce_sum(tensor: torch.Tensor, group, wait: Callable | None = None) -> None:
-    """Sum ``tensor`` over ranks, in place (blocking)."""
-    _on(tensor, wait)(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
-
-
-def all_reduce_max(tensor: torch.Tensor, group, wait: Callable | None = None) -> None:
-    """Element-wise maximum of ``tensor`` over ranks, in place (blocking)."""
-    _on(tensor, wait)(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True))

@@ -26,7 +26,9 @@ import functools
 
 import torch
 
-from paramfsm.engine.effects import exchange, grad_flags, kernels, rankcheck
+from paramfsm.engine.effects import grad_flags, kernels, rankcheck
+from paramfsm.engine.effects.gloo import exchange
+from paramfsm.engine.effects.gloo.agreement import Dropped
 from paramfsm.engine.effects.collectives import DEFAULT_TIMEOUT_S, coalesced, reduce_scatter_flat, waiter
 from paramfsm.engine.effects.gathers import PERSISTENT_BYTES, Gathers
 from paramfsm.engine.effects.grad_sync import UnsyncedGrads
@@ -149,7 +151,7 @@ class Executor(Gathers):
             if rec.pending is not None:
                 try:
                     self.wait_gather(rec.pending)
-                except rankcheck.Dropped:
+                except Dropped:
                     pass
             rec.staged = None
             rec.pending = None
@@ -357,7 +359,7 @@ class Executor(Gathers):
         for ticket, records, _ in reduces:
             try:
                 self._join_reduce(ticket, records)
-            except (RankDesync, rankcheck.Dropped):
+            except (RankDesync, Dropped):
                 pass  # it never moved: the ranks desynced, and whatever interrupted the backward says so
         self.unsynced.interrupted()
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 import torch
 
 from paramfsm.engine.effects import collectives, kernels, rankcheck
+from paramfsm.engine.effects.gloo.agreement import Dropped
 from paramfsm.engine.effects.collectives import all_gather_flat, coalesced, size_agreement
 from paramfsm.engine.effects.inflight import Gather
 from paramfsm.engine.effects.streams import GATHER
@@ -248,7 +249,7 @@ class Gathers:
         for gather in list(self._unchecked):
             try:
                 self.wait_gather(gather)
-            except rankcheck.Dropped:
+            except Dropped:
                 pass  # a gather of an epoch a refusal ended: recovery drops it, and so does this
 
     def _finish_gather(self, gather: Gather) -> list:

@@ -49,7 +49,7 @@ the same order, and ``wait`` on each handle as before.
 
 [Note: sizes are agreed before an exchange moves]
 On a group that agrees sizes (:func:`agree_sizes`: all unless turned off) no batch moves before the ranks
-agreed on its sizes, by a header or in a run a header announced (the notes of :mod:`paramfsm.engine.effects.rankcheck`).
+agreed on its sizes, by a header or in a run a header announced (the notes of :mod:`paramfsm.engine.effects.gloo.agreement`).
 """
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 import torch.distributed as dist
 
-from paramfsm.engine.effects import rankcheck
-from paramfsm.engine.effects.rankcheck import GATHER, REDUCE, Dropped, Job, Refused
+from paramfsm.engine.effects.gloo import agreement
+from paramfsm.engine.effects.gloo.agreement import GATHER, REDUCE, Dropped, Job, Refused
+from paramfsm.engine.effects.groups import PerGroup
 
 #: All-gathers on gloo are exchanged up to this many ranks (world - 1 messages each way per rank).
 MAX_WORLD = 8
@@ -79,38 +80,17 @@ def _wire(epoch: int, space: int, tag: int) -> int:
     return ((epoch % 32) << 26) | (space << 24) | tag
 
 
-class PerGroup:
-    """Values kept per process group, dropped with the group.
-
-    Keyed by the group itself (weakly), never by ``id(group)``: a destroyed
-    group's id is reused by the next one, differently on each rank, which
-    would hand a new group an old group's tags, ranks or backend. ``None``
-    stands for the default group of the moment (``dist.group.WORLD``), so a
-    re-initialised world starts afresh too.
-    """
-
-    def __init__(self):
-        self._groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def get(self, group, key=None, default=None):
-        table = self._groups.get(dist.group.WORLD if group is None else group)
-        return default if table is None else table.get(key, default)
-
-    def set(self, group, value, key=None) -> None:
-        self._groups.setdefault(dist.group.WORLD if group is None else group, {})[key] = value
-
-
 _tags = PerGroup()
 _peers = PerGroup()
-_agreements = PerGroup()  # group -> its rankcheck.Agreement
+_agreements = PerGroup()  # group -> its agreement.Agreement
 
 
-def _agreement(group) -> rankcheck.Agreement:
-    agreement = _agreements.get(group)
-    if agreement is None:
-        agreement = rankcheck.Agreement()
-        _agreements.set(group, agreement)
-    return agreement
+def _agreement(group) -> agreement.Agreement:
+    found = _agreements.get(group)
+    if found is None:
+        found = agreement.Agreement()
+        _agreements.set(group, found)
+    return found
 
 
 def agree_sizes(group, on: bool, forget: bool = False) -> None:
@@ -200,7 +180,7 @@ class _Issuer:
         while True:
             for batch in jobs.get():
                 if batch.mode == "header":
-                    rankcheck.post_header(batch, _wire(batch.epoch, _HEADER, batch.tag))
+                    agreement.post_header(batch, _wire(batch.epoch, _HEADER, batch.tag))
                 if handed == done[0] and batch.ready():
                     _settle(batch, refusals)
                 else:
@@ -254,11 +234,11 @@ class _Batch:
 
     def seal(self, fields) -> None:
         """On the caller's thread, in program order: place the batch in its group's sequence."""
-        agreement = _agreement(self.key)
-        self.epoch = agreement.epoch
-        self.mode, self.expected, self.header = agreement.place(
+        agreed = _agreement(self.key)
+        self.epoch = agreed.epoch
+        self.mode, self.expected, self.header = agreed.place(
             self, self.jobs[0].kind, tuple(job.shape for job in self.jobs), fields)
-        self.anchor = agreement.anchor  # weakly: [Note: a group's agreement holds no batch alive]
+        self.anchor = agreed.anchor  # weakly: [Note: a group's agreement holds no batch alive]
         for job in self.jobs:
             job.batch = self
         if self.mode == "follow":  # the messages a peer's marker would end: [Note: a repeating sequence ...]
@@ -286,7 +266,7 @@ class _Batch:
             return self.works
         for work in self.works:
             work.wait()
-        return None if rankcheck.agree(self.rows.tolist(), self.rank) else self.refuse(self.rows, refusals)
+        return None if agreement.agree(self.rows.tolist(), self.rank) else self.refuse(self.rows, refusals)
 
     def refuse(self, rows, refusals=None) -> Refused:
         refused = Refused(rows, self.epoch, (self.tag + 1) % _TAG_SPACE)
@@ -298,7 +278,7 @@ class _Batch:
         """Post every job's sends and receives (a deviating batch: its stand-in's), or fail them all."""
         if refused is None and self.mode == "deviate":
             try:
-                rankcheck.post_stand_in(self, lambda j: _wire(self.epoch, _PAYLOAD, (self.tag + j) % _TAG_SPACE))
+                agreement.post_stand_in(self, lambda j: _wire(self.epoch, _PAYLOAD, (self.tag + j) % _TAG_SPACE))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting callers
                 refused = exc
         for job in self.jobs:
@@ -333,7 +313,7 @@ class Exchange:
 
     def wait(self, timeout=None) -> bool:
         """Wait for every send and receive (``timeout``: a timedelta, as gloo's ``Work.wait`` takes). Raises
-        Refused the first time this rank sees a desync, then Dropped (see the notes of rankcheck)."""
+        Refused the first time this rank sees a desync, then Dropped (see the notes of agreement)."""
         issued, self.issued = self.issued, None
         batch = self.job.batch if self.job is not None else None
         if issued is not None and batch is not None and batch.mode and batch.epoch != _agreement(self.group).epoch:
@@ -345,7 +325,7 @@ class Exchange:
                     work.wait() if timeout is None else work.wait(timeout=timeout)
                 job = self.job
                 if batch is not None and (job.checks or batch.mode == "deviate"):
-                    rankcheck.verify(batch, job, timeout, lambda tag: _wire(batch.epoch, _AGAIN, tag))
+                    agreement.verify(batch, job, timeout, lambda tag: _wire(batch.epoch, _AGAIN, tag))
             except FutureTimeout:
                 raise RuntimeError("paramfsm: posting a point-to-point exchange timed out") from None
             except Refused as refused:
