@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memory  # noqa: E402
 import step_overhead  # noqa: E402
 
-from paramfsm.verify.launch import RankPool  # noqa: E402
 
 #: The ``min_unit_bytes`` candidates measured.
 CANDIDATES = (64 << 10, 1 << 20)
@@ -147,6 +146,8 @@ def step_job(rank, world, name: str, setting, steps: int, warmup: int):
 
 
 def main(argv=None) -> int:
+    from paramfsm.verify.launch import RankPool  # in main only: rank workers import this module for its jobs
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)

@@ -44,7 +44,6 @@ import sys
 import torch
 from torch import nn
 
-from paramfsm.verify.launch import RankPool
 
 DEPTH, WIDTH, BATCH = 16, 1024, 32
 
@@ -143,6 +142,8 @@ def fsdp2_job(rank, world, steps):
 
 
 def main(argv=None) -> int:
+    from paramfsm.verify.launch import RankPool  # in main only: rank workers import this module for its jobs
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)

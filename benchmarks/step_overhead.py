@@ -57,7 +57,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from paramfsm.verify.launch import RankPool
 
 MODELS = {"a": (200, 8), "u": (200, 8), "b": (16, 1024), "c": (8, 256), "t": (8, 128)}
 #: ``units=paramfsm.by_size(min_bytes=BY_SIZE)`` for the "w2 by_size" column.
@@ -303,6 +302,8 @@ def fmt_ratio(a: float, b: float | None) -> str:
 
 
 def main(argv=None) -> int:
+    from paramfsm.verify.launch import RankPool  # in main only: rank workers import this module for its jobs
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)

@@ -141,7 +141,7 @@ class GraphTasks:
         self._deferral.release_records([rec for rec in records if holds.pop(rec, 0) is None], ts.keep_graph)
 
     # ------------------------------------------------------------ handlers
-    def _on_pre_backward(self, ev: Event) -> None:
+    def on_pre_backward(self, ev: Event) -> None:
         ts = self._begin_task(ev.graph_task, ev.keep_graph)
         if ev.call in ts.seen:
             return
@@ -157,14 +157,14 @@ class GraphTasks:
         self._step_all(waiting, "fetch")
         self._grads.expect_grads(unit, ev.graph_task)
 
-    def _on_param_reached(self, ev: Event) -> None:
+    def on_param_reached(self, ev: Event) -> None:
         """A parameter is about to accumulate its gradient in a graph task that may not have fetched its
         unit (see [Note: a backward that enters a unit from inside] in paramfsm.engine.events.hooks)."""
         if ev.record.state is State.NOT_AVAILABLE or ev.record.state is State.INFLIGHT:
             ev.call = ev.unit
-            self._on_pre_backward(ev)
+            self.on_pre_backward(ev)
 
-    def _on_post_backward(self, ev: Event) -> None:
+    def on_post_backward(self, ev: Event) -> None:
         ts = self._begin_task(ev.graph_task, ev.keep_graph)
         unit = ev.unit
         if ts.open.get(unit, 0) > 0:
@@ -186,7 +186,7 @@ class GraphTasks:
             ts.redefer.add(unit)
         self._prefetch.fetch_backward(unit, ts.passes, ts.depth == 0)
 
-    def _on_grad_ready(self, ev: Event) -> None:
+    def on_grad_ready(self, ev: Event) -> None:
         """Queue a parameter whose gradient autograd accumulated: see [Note: accumulated gradients are
         stepped together]."""
         ts = self._begin_task(ev.graph_task, ev.keep_graph)
@@ -209,7 +209,7 @@ class GraphTasks:
         self._deferral.release_records([rec for rec in records if holds.pop(rec, 0) is None], ts.keep_graph)
         ctx.graph_task = current
 
-    def _on_backward_end(self, ev: Event) -> None:
+    def on_backward_end(self, ev: Event) -> None:
         ts = self.tasks.pop(ev.graph_task, None)
         if ts is None:
             return
@@ -239,7 +239,7 @@ class GraphTasks:
                 call.live = False  # counted out now: its collection reports nothing
                 call.unit.live_graphs -= 1
 
-    def _on_graph_freed(self, ev: Event) -> None:
+    def on_graph_freed(self, ev: Event) -> None:
         unit = ev.unit
         self._holds.hand_over(ev.call)  # no backward came: see paramfsm.engine.schedule.holds
         unit.live_graphs -= 1

@@ -121,7 +121,7 @@ class OnDemand:
                 del running[i]
                 break
 
-    def _on_demand(self, ev: Event) -> None:
+    def demanded(self, ev: Event) -> None:
         rec, task = ev.record, ev.graph_task
         reader = self.reading_unit(task)
         if reader is None or rec.state not in _READABLE:

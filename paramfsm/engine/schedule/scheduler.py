@@ -96,12 +96,12 @@ class Scheduler:
         self._handlers = {
             FORWARD_BEGIN: self._on_forward_begin, FORWARD_END: self._on_forward_end,
             PRE_FORWARD: self.enter_forward, POST_FORWARD: self.leave_forward,
-            PRE_BACKWARD: graph._on_pre_backward, POST_BACKWARD: graph._on_post_backward,
-            GRAD_READY: graph._on_grad_ready, BACKWARD_END: graph._on_backward_end,
-            GRAPH_FREED: graph._on_graph_freed, FLUSH: lambda ev: self.deferral.flush(),
-            FORWARD_FAILED: self._on_forward_failed, DEMAND: self.on_demand._on_demand,
+            PRE_BACKWARD: graph.on_pre_backward, POST_BACKWARD: graph.on_post_backward,
+            GRAD_READY: graph.on_grad_ready, BACKWARD_END: graph.on_backward_end,
+            GRAPH_FREED: graph.on_graph_freed, FLUSH: lambda ev: self.deferral.flush(),
+            FORWARD_FAILED: self._on_forward_failed, DEMAND: self.on_demand.demanded,
             SHARDS_WRITTEN: writes.written, WRITTEN_BACK: writes.written_back,
-            PARAM_REACHED: graph._on_param_reached,
+            PARAM_REACHED: graph.on_param_reached,
         }
 
     def _effect_runners(self) -> dict:

@@ -79,14 +79,14 @@ def _preprocess_once_per_process():
     done: set = set()
 
     def make(original):
-        def _on_pre_backward(self, ev):
+        def on_pre_backward(self, ev):
             if ev.unit in done:
                 self._begin_task(ev.graph_task, ev.keep_graph)
                 return
             done.add(ev.unit)
             original(self, ev)
-        return _on_pre_backward
-    return _patched(GraphTasks, "_on_pre_backward", make)
+        return on_pre_backward
+    return _patched(GraphTasks, "on_pre_backward", make)
 
 
 def _release_in_retained_window():
@@ -105,13 +105,13 @@ def _once_per_forward_flag():
     ran: set = set()
 
     def pre_backward(original):
-        def _on_pre_backward(self, ev):
+        def on_pre_backward(self, ev):
             if id(ev.call) in ran:
                 self._begin_task(ev.graph_task, ev.keep_graph)
                 return
             ran.add(id(ev.call))
             original(self, ev)
-        return _on_pre_backward
+        return on_pre_backward
 
     def forward_begin(original):
         def _on_forward_begin(self, ev):
@@ -120,7 +120,7 @@ def _once_per_forward_flag():
             original(self, ev)
         return _on_forward_begin
 
-    with _patched(GraphTasks, "_on_pre_backward", pre_backward), \
+    with _patched(GraphTasks, "on_pre_backward", pre_backward), \
             _patched(Scheduler, "_on_forward_begin", forward_begin):
         yield
 

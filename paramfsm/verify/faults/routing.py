@@ -29,15 +29,15 @@ def _missing_grads_out_of_order():
 
 def _on_demand_never_released():
     def make(original):
-        def _on_demand(self, ev):
+        def demanded(self, ev):
             reader = self.reading_unit(ev.graph_task)
             if reader is None:
                 return
             self._step(ev.record, "demand")  # gathered for the reader, but never borrowed: never released
             self._prefetch.issue()
             self._prefetch.wait(types.SimpleNamespace(records=(ev.record,)))
-        return _on_demand
-    return patched(OnDemand, "_on_demand", make)
+        return demanded
+    return patched(OnDemand, "demanded", make)
 
 
 #: The entries, as the fields of :class:`~paramfsm.verify.faults.catalogue.Fault` (name, bug, source, kind,
