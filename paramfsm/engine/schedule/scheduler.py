@@ -105,7 +105,17 @@ class Scheduler:
         }
 
     def _effect_runners(self) -> dict:
-        """Effect name (as the spec writes it) -> what runs it, for a sequence of records."""
+        """Effect name (as the spec writes it) -> what runs it, for a sequence of records.
+
+        Two kinds of effect, as DESIGN §2 names them. Data effects move or free tensors and run in
+        :mod:`paramfsm.engine.effects` (``unpack``, ``discard_gather``, ``free``, ``keep_grad``,
+        ``sync_grad``, ``write_back``). Schedule effects decide what happens next and are run by the
+        schedule component that owns that decision: ``start_gather`` by prefetch (which plans the
+        bucket and issues it), ``defer`` and ``undefer`` by deferral, ``reduce_grad`` by the gradient
+        routing (which orders gradients into buckets before the executor reduces them). So the schedule
+        runs its own effects, and the executor is reached only through the data effects and those
+        components.
+        """
         executor = self.executor
         runners = {
             "start_gather": self.prefetch.start_gather,
