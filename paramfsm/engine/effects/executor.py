@@ -102,9 +102,9 @@ class Executor(Gathers):
         self._share_agreement(forget=True)  # a new runtime starts a new sequence of collectives
         self.ctx = None
         self.unit_names: tuple[str, ...] = ()
-        # Offloaded shard gradients (paramfsm.engine.schedule.grad_paging), told before and after reduced
-        # gradients are added into them; None: no gradient is offloaded.
-        self.grad_paging = None
+        # Reduced gradient shards handed back to the schedule, in the order they completed, instead of added
+        # into shard.grad here (offloaded shard gradients: see hand_back_reduced); None: added here.
+        self.completions = None
 
     @property
     def rank_check(self) -> str | None:
@@ -232,10 +232,7 @@ class Executor(Gathers):
         """Add one full gradient to the pending reduce bucket (``owned``: referenced nowhere else;
         ``had``: for gradients staged in unit order, whether this rank produced it)."""
         if self.local:
-            if self.grad_paging is None:
-                self._accumulate(rec, grad.reshape(-1))
-            else:
-                self._accumulate_all(((rec, grad.reshape(-1)),))
+            self._accumulate_all(((rec, grad.reshape(-1)),))
             return
         size = grad.numel() * grad.element_size()
         if had is not None:  # its flag rides in its bucket: [Note: a gradient no rank produced stays None]
@@ -363,36 +360,40 @@ class Executor(Gathers):
                 pass  # it never moved: the ranks desynced, and whatever interrupted the backward says so
         self.unsynced.interrupted()
 
+    def hand_back_reduced(self) -> None:
+        """From now on a reduced gradient shard is handed back (:meth:`take_completed`) instead of added into
+        ``shard.grad`` here: the schedule adds it, paging offloaded shard gradients in and out around the
+        addition (``paramfsm.engine.schedule.grad_paging``), so no effect steps a residency machine."""
+        if self.completions is None:
+            self.completions = []
+
+    def take_completed(self) -> list:
+        """The (record, reduced shard) pairs handed back since the last call, in the order they completed."""
+        done, self.completions = self.completions, []
+        return done
+
     def _accumulate_all(self, pieces) -> None:
-        """:meth:`_accumulate` each (record, reduced shard) pair; offloaded shard gradients are paged in
-        first and written (paged out, without a bound) after (paramfsm.engine.schedule.grad_paging)."""
-        paging = self.grad_paging
-        if paging is None:
+        """:func:`accumulate` each (record, reduced shard) pair, or hand them back (:meth:`hand_back_reduced`)."""
+        if self.completions is None:
             for rec, piece in pieces:
-                self._accumulate(rec, piece)
+                accumulate(rec, piece)
             return
-        records = [rec for rec, _ in pieces]
-        paging.opening(records)
-        try:
-            for rec, piece in pieces:
-                # Not a view: a view keeps its base alive even once its data is swapped, so a shard gradient
-                # paged out to its tier would still hold the whole reduce-scatter output.
-                self._accumulate(rec, piece.detach() if piece._is_view() else piece)
-        finally:
-            paging.closing(records)  # a write-back too many is safe; a lost one is not
+        # Not a view: a view keeps its base alive even once its data is swapped, so a shard gradient paged
+        # out to its tier would still hold the whole reduce-scatter output.
+        self.completions.extend((rec, piece.detach() if piece._is_view() else piece) for rec, piece in pieces)
 
-    @staticmethod
-    def _accumulate(rec, flat_grad) -> None:
-        """Add a reduced gradient shard into ``shard.grad`` (created on first use).
 
-        ``flat_grad`` is referenced nowhere else (a piece of a fresh reduce-scatter
-        output, or a one-rank gradient taken from autograd), so it becomes
-        ``shard.grad`` as is, without a copy.
-        """
-        shard = rec.shard
-        if flat_grad.dtype != shard.dtype:
-            flat_grad = flat_grad.to(shard.dtype)
-        if shard.grad is None:
-            shard.grad = flat_grad
-        else:
-            shard.grad.add_(flat_grad)
+def accumulate(rec, flat_grad) -> None:
+    """Add a reduced gradient shard into ``shard.grad`` (created on first use).
+
+    ``flat_grad`` is referenced nowhere else (a piece of a fresh reduce-scatter
+    output, or a one-rank gradient taken from autograd), so it becomes
+    ``shard.grad`` as is, without a copy.
+    """
+    shard = rec.shard
+    if flat_grad.dtype != shard.dtype:
+        flat_grad = flat_grad.to(shard.dtype)
+    if shard.grad is None:
+        shard.grad = flat_grad
+    else:
+        shard.grad.add_(flat_grad)

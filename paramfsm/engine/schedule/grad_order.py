@@ -78,11 +78,14 @@ class GradRouting:
     the graph tasks for the gradient holds of the task in progress.
     """
 
-    __slots__ = ("_executor", "_units", "_step_all", "_graph", "sync", "staged_grads", "grad_plans",
+    __slots__ = ("_executor", "_units", "_step_all", "_hand_back", "_graph", "sync", "staged_grads", "grad_plans",
                  "grad_nodes", "zero_filled")
 
-    def __init__(self, executor, units, step_all):
+    def __init__(self, executor, units, step_all, hand_back):
         self._executor, self._units, self._step_all = executor, units, step_all
+        # After every executor call that can complete a reduce-scatter: its reduced shards, handed back under
+        # gradient offload, are added into the shard gradients (Scheduler.hand_back).
+        self._hand_back = hand_back
         self._graph = None  # the graph tasks (paramfsm.engine.schedule.backward), set by the scheduler
         # Off under rt.no_sync(): gradients are kept, not reduce-scattered (paramfsm.engine.effects.grad_sync).
         self.sync = True
@@ -134,6 +137,7 @@ class GradRouting:
         executor = self._executor
         if executor.local:
             executor.take_grad(records)
+            self._hand_back()
             return
         direct, closing = [], []
         for rec in records:
@@ -149,6 +153,7 @@ class GradRouting:
                         closing.append((rec.units[0], plan))
         if direct:
             executor.take_grad(direct)
+            self._hand_back()
         for unit, plan in closing:
             if plan.get(unit) is not None:
                 self._close(unit, plan)
@@ -173,6 +178,7 @@ class GradRouting:
                     gone = filled.get(unit, ())
                     self._executor.take_ordered([(rec, grads.pop(rec, None)) for rec in unit.records
                                                  if rec in grads or rec in gone])
+            self._hand_back()
         filled.clear()
 
     def _close(self, unit, plan) -> None:
@@ -187,6 +193,7 @@ class GradRouting:
         out = [(rec, grads.pop(rec)) for rec in unit.records if rec in grads]
         if out:
             self._executor.take_ordered(out)
+            self._hand_back()
         if missing:
             self._graph.grads_done(missing)
 
@@ -210,6 +217,7 @@ class GradRouting:
             self._step_all(unsynced.due(), "grad_sync")
             unsynced.reached.clear()
         self._executor.finish_reduces()
+        self._hand_back()
         device = next((rec.shard.device for unit in self._units for rec in unit.records), None)
         if device is not None:  # [Note: a backward that reached other units on other ranks]
             self._executor.agree_backward_end(device)

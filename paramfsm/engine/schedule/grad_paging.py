@@ -7,12 +7,12 @@ placement of kind ``"grad"`` of the residency machine (``[residency]`` in the
 spec), stepped through the runtime's :class:`~paramfsm.engine.schedule.residency.Residency`
 like shards and optimizer state, so its moves are traced, replayable and checked.
 
-* A reduce-scatter's result is added into ``shard.grad``: the executor calls
-  :meth:`GradPaging.opening` first (a shard gradient already there from an
-  earlier backward is needed: paged in) and :meth:`GradPaging.closing` after
-  (it is written, and released: with no bound on the resident set it is
-  written to its tier and dropped at once). A gradient new to the tier gets its
-  placement there.
+* A reduce-scatter's result is added into ``shard.grad`` by :meth:`GradPaging.accumulate`: the
+  executor hands its reduced shards back (``Executor.hand_back_reduced``) and the schedule adds them,
+  with :meth:`GradPaging.opening` first (a shard gradient already there from an earlier backward is
+  needed: paged in) and :meth:`GradPaging.closing` after (it is written, and released: with no bound
+  on the resident set it is written to its tier and dropped at once). A gradient new to the tier
+  gets its placement there. No effect steps a placement.
 * The optimizer step (:mod:`paramfsm.optim.offload_step`) needs each unit's shard
   gradients with its shards and optimizer state (:meth:`GradPaging.of`).
 * Any other reader (``rt.clip_grad_norm_``, ``GradScaler.unscale_``,
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import weakref
 
+from paramfsm.engine.effects.executor import accumulate as add_into_shard_grad
 from paramfsm.engine.schedule.residency import Paged
 
 
@@ -52,7 +53,18 @@ class GradPaging:
         for rec, pager in pagers.items():
             pager.tier.place(self._key(rec), rec.shard, rec.name)
 
-    # ------------------------------------------------------------------ the executor's side
+    # ------------------------------------------------------------------ reduced gradients, added
+    def accumulate(self, pieces) -> None:
+        """Add the executor's reduced gradient shards (``(record, shard)`` pairs, in the order they completed)
+        into the shard gradients: paged in before, written and released after."""
+        records = [rec for rec, _ in pieces]
+        self.opening(records)
+        try:
+            for rec, piece in pieces:
+                add_into_shard_grad(rec, piece)
+        finally:
+            self.closing(records)  # a write-back too many is safe; a lost one is not
+
     def opening(self, records) -> None:
         """Reduced gradients are about to be added into the shard gradients of ``records``."""
         placements = [self._current(rec) for rec in records if rec in self.pagers]

@@ -77,7 +77,7 @@ class Scheduler:
         self.prefetch = Prefetch(step_one, step_all, executor, units, prefetch=prefetch, bucket_bytes=bucket_bytes)
         self.deferral = Deferral(step_one, step_all, allowed=retain == "defer", bound=max_deferred_bytes)
         self.holds = ForwardHolds(self.deferral.release)
-        self.grads = GradRouting(executor, units, step_all)
+        self.grads = GradRouting(executor, units, step_all, self.hand_back)
         self.audit = LeakAudit(records, self.ctx, self.holds.held_units, self.report_failure, strict=strict)
         self.graph = GraphTasks(self.ctx, self.emit, step_one, step_all, self._ready, prefetch=self.prefetch,
                                 deferral=self.deferral, holds=self.holds, grads=self.grads,
@@ -126,7 +126,7 @@ class Scheduler:
             "undefer": self.deferral.undefer_all,
             "reduce_grad": self.grads.take_grads,
             "keep_grad": executor.unsynced.keep,
-            "sync_grad": executor.unsynced.sync,
+            "sync_grad": self._then_hand_back(executor.unsynced.sync),
             "write_back": lost_writes.noting(partial(copy_into_shards, executor.rank)),
         }
         if self.residency is not None:
@@ -139,8 +139,24 @@ class Scheduler:
     def attach_offload(self, plan) -> None:
         """Drive the residency of ``plan``'s offloaded values from now on (``paramfsm.shard(offload=...)``)."""
         self.offload_plan, self.residency = plan, plan.residency
-        self.executor.grad_paging = plan.grads
+        if plan.grads is not None:
+            self.executor.hand_back_reduced()
         self._effects = self._effect_runners()
+
+    def hand_back(self) -> None:
+        """Add the reduced gradient shards the executor handed back (offloaded shard gradients only) into
+        the shard gradients, paging them in and out around it (``GradPaging.accumulate``). Called after
+        every executor call that can complete a reduce-scatter, so the additions keep their order."""
+        executor = self.executor
+        if executor.completions:
+            self.offload_plan.grads.accumulate(executor.take_completed())
+
+    def _then_hand_back(self, effect):
+        """``effect``, then :meth:`hand_back`: an effect that may complete a reduce-scatter (``sync_grad``)."""
+        def run(records):
+            effect(records)
+            self.hand_back()
+        return run
 
     # ------------------------------------------------------------------ queue
     def emit(self, event: Event) -> None:
@@ -345,6 +361,10 @@ class Scheduler:
         self.graph.reset()
         self.prefetch.reset()
         self.holds.reset()
+        try:  # reduced before the failure: added, as they would have been without one
+            self.hand_back()
+        except Exception:  # noqa: BLE001 - recovery goes on; the failure that led here is the one raised
+            self.executor.take_completed()
         self.executor.abort_reduces()
         for rec in self.records:
             self._step(rec, "reset")
