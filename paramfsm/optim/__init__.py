@@ -32,20 +32,19 @@ or a model sharded after the optimizer first stepped, is mapped at the next step
 
 The folder holds the rest of what a step over shards needs: :mod:`.offload_step` (an offloaded step,
 unit by unit), :mod:`.step_space` (the disk space its first step needs), :mod:`.whole_params`
-(optimizers whose update reads a whole parameter) and :mod:`.grad_norm` (``rt.clip_grad_norm_``).
+(optimizers whose update reads a whole parameter) and :mod:`.grad_norm` (``rt.clip_grad_norm_``) and :mod:`.scaler_guard` (a plain ``GradScaler`` refused).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm.optim import offload_step
+from paramfsm.optim import offload_step, scaler_guard
 from paramfsm.sharding.accumulation import refuse_step
 from paramfsm.engine.effects.grad_sync import UNSYNCED
 from paramfsm.engine.storage.partitioned import OWNERS, owner, record_of
@@ -203,7 +202,7 @@ def _before_step(optimizer, args, kwargs):
     writers = _map(optimizer)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
     if writers is not None:
-        _refuse_local_scaler(optimizer)
+        scaler_guard.refuse_local_scaler(optimizer)
     if writers is not None and not is_elementwise(optimizer):
         if closure is not None:
             _refuse_whole(optimizer, _CLOSURE)
@@ -326,33 +325,6 @@ def _announce_writes(optimizer, writers) -> None:
         paging = getattr(scheduler, "offload_plan", None) is None  # else stepped unit by unit, paging itself
         scheduler.shards_written(records, tuple([rec for rec in records if rec.shard.grad is not None]), why,
                                  paging=paging)
-
-
-def _refuse_local_scaler(optimizer) -> None:
-    """Raise when a plain ``torch.amp.GradScaler`` is stepping shards (its skip decision is per rank).
-
-    [Note: a scaler's skip decision must be global]
-    ``GradScaler.step`` calls ``optimizer.step()`` only when its own rank found
-    no inf. On shards, an overflow in one rank's slice would make that rank
-    skip while the others step: silently diverging shards. The scaler is
-    found as ``self`` of the ``GradScaler._maybe_opt_step`` frame that called
-    this step (a few frames up); :class:`paramfsm.amp.GradScaler` agrees
-    ``found_inf`` across ranks first and is let through.
-    """
-    frame = sys._getframe(2)
-    for _ in range(6):
-        if frame is None:
-            return
-        if frame.f_code.co_name == "_maybe_opt_step":
-            scaler = frame.f_locals.get("self")
-            if isinstance(scaler, torch.amp.GradScaler) and not getattr(scaler, "agrees_across_ranks", False):
-                raise ParamFSMError(
-                    f"a plain torch.amp.GradScaler is stepping {type(optimizer).__name__} over paramfsm shards: "
-                    "each rank would decide alone whether a gradient overflowed, so ranks could skip "
-                    "different steps and the shards would silently diverge. What to do: use "
-                    "paramfsm.amp.GradScaler(rt, ...) (the same API; found_inf is agreed across ranks).")
-            return
-        frame = frame.f_back
 
 
 def map_optimizer(optimizer) -> None:

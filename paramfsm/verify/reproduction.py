@@ -368,7 +368,7 @@ def _render_user_loop_op(op, seen: set[int], script: _Script) -> list[str]:
                     f"for (_, o), state in zip({optimizers}, saved_opt):", "    o.load_state_dict(state)"]
         if op.full:
             return ["rt.load_full_state_dict(saved_sd)"]
-        if op.plain:  # paramfsm.verify.loop_helpers.load_plain_dcp, written out
+        if op.plain:  # paramfsm.verify.state_ops.load_plain_dcp, written out
             return [f"for i, o in {optimizers}:",
                     "    model_sd, optim_sd = rt.sharded_state_dict(), paramfsm.checkpoint.sharded_optim_state_dict(rt, o)",
                     "    loaded = {**model_sd, **optim_sd}",

@@ -83,9 +83,10 @@ from paramfsm.verify.ops import (
     RankLoss, RequiresGrad, Restore, Save, Step, SubForward, SyncGradients, Unscale, ZeroGrad,
 )
 from paramfsm.verify.compiled_blocks import compile_blocks
+from paramfsm.verify.state_ops import restore_state, save_state
 from paramfsm.verify.subject import for_sharding, initialise, load_subject
 from paramfsm.verify.loop_helpers import (
-    SCALER, another_run, compute_dtype, refused_shard, force_overflow, offload_policy, perturbed, reentrant_blocks, restore_state, save_state,
+    SCALER, another_run, compute_dtype, refused_shard, force_overflow, offload_policy, perturbed, reentrant_blocks,
     forget_recoveries, quiet_recoveries, reshard_policy, unit_arguments,
 )
 
