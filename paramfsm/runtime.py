@@ -24,6 +24,7 @@ from paramfsm.engine.storage.default_units import describe
 from paramfsm.engine.storage.units import ParamRecord
 from paramfsm.errors import ParamFSMError
 from paramfsm.sharding.gathered import gathered as gathered_block
+from paramfsm.sharding.record import RuntimeRecord
 
 
 def shard(model: nn.Module, *, group=None, units=None, retain: str = "defer", max_deferred_bytes=None,
@@ -111,26 +112,21 @@ def shard(model: nn.Module, *, group=None, units=None, retain: str = "defer", ma
         reduce_dtype=reduce_dtype, debug=debug, collective_timeout=collective_timeout,
         sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
         min_unit_bytes=min_unit_bytes)
-    rt = Runtime(model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-                 bucket_bytes, param_dtype, reduce_dtype, debug, limit,
-                 mesh if replicate_group is not None else None, replicate_group, device, mesh,
-                 sync_module_states=sync_module_states, offload=offload)
-    assembly.apply_reshard_policy(rt, reshard_after_forward)
-    rt._planned = dict(planned, offload=offload, mesh=mesh)  # what rt.plan() rehearses
-    return rt
+    return assembly.assemble(
+        Runtime, model, group, units, retain=retain, max_deferred_bytes=max_deferred_bytes, prefetch=prefetch,
+        trace=trace, spec=spec, strict=strict, bucket_bytes=bucket_bytes, param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype, debug=debug, collective_timeout=limit,
+        mesh=mesh if replicate_group is not None else None, replicate_group=replicate_group, device=device,
+        device_mesh=mesh, sync_module_states=sync_module_states, offload=offload,
+        reshard_after_forward=reshard_after_forward, planned=dict(planned, offload=offload, mesh=mesh))
 
 
-class Runtime:
-    """A sharded model's lifetime runtime. Create it with :func:`paramfsm.shard`."""
+class Runtime(RuntimeRecord):
+    """A sharded model's lifetime runtime. Create it with :func:`paramfsm.shard`.
 
-    def __init__(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-                 bucket_bytes, param_dtype, reduce_dtype, debug=False, collective_timeout=600.0,
-                 mesh=None, replicate_group=None, device=None, device_mesh=None, *, sync_module_states=False,
-                 offload=None):
-        assembly.assemble(self, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-                          bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh,
-                          replicate_group, device, device_mesh, sync_module_states=sync_module_states,
-                          offload=offload)
+    Its fields are :class:`~paramfsm.sharding.record.RuntimeRecord`'s, each documented there; this class adds
+    the public methods and no state.
+    """
 
     # ------------------------------------------------------------------ lookup
     def record(self, param_or_name):
@@ -300,7 +296,7 @@ class Runtime:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ParamFSMError(f"rt.set_step({step!r}): expected a training step number >= 0")
-        self.scheduler.pinned_step = step
+        self.ctx.pinned = step
 
     def backward(self, loss, retain_graph=None, create_graph: bool = False, **kwargs) -> None:
         """``loss.backward(...)``; identical to calling it directly (kept for explicitness and fallback)."""

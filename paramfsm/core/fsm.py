@@ -199,13 +199,17 @@ PLACEMENT_KINDS = ("shard", "grad", "optim")
 
 
 class StepContext:
-    """Who is stepping: rank, training step, current graph task, and the trace (or None when off)."""
+    """Who is stepping: rank, training step, current graph task, and the trace (or None when off).
 
-    __slots__ = ("rank", "step", "graph_task", "trace")
+    ``pinned`` is the training step named by ``rt.set_step`` (None: each root forward counts one).
+    """
+
+    __slots__ = ("rank", "step", "pinned", "graph_task", "trace")
 
     def __init__(self, rank: int = 0, trace=None):
         self.rank = rank
         self.step = 0
+        self.pinned: int | None = None
         self.graph_task = -1
         self.trace = trace
 

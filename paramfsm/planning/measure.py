@@ -24,7 +24,7 @@ class Measured:
     """The peaks of a live runtime, by phase (see the module docstring)."""
 
     def __init__(self, rt, optimizer):
-        self.sampler = Sampler(rt, rt.scheduler.ctx.trace, optimizer=optimizer)
+        self.sampler = Sampler(rt, rt.ctx.trace, optimizer=optimizer)
 
     @property
     def optimizer(self):
@@ -52,7 +52,7 @@ class Measured:
 def peaks(rt, optimizer=None) -> Iterator[Measured]:
     """Count ``rt``'s peaks by phase for the block (``optimizer``: whose state counts, if any)."""
     measured = Measured(rt, optimizer)
-    ctx = rt.scheduler.ctx
+    ctx = rt.ctx
     ctx.trace = measured.sampler
     try:
         yield measured
@@ -112,7 +112,7 @@ class Tracker:
 
     def stop(self, rt) -> None:
         """Stop counting: the runtime's own trace back in place, no event watched, no step hook left."""
-        ctx = rt.scheduler.ctx
+        ctx = rt.ctx
         if ctx.trace is self.sampler:
             ctx.trace = self.sampler.trace
         for stop in self._stops:

@@ -128,7 +128,7 @@ def _steps(rt, model, example_input, build_optimizer, state_bytes_per_element, a
     shard_bytes = sum(rec.shard.numel() * rec.shard.element_size() for rec in records)
     extra = {"optimizer_state": 0, "checkpoint_staging": 0}  # state given per element; a save's staged copy
     optimizer = None
-    ctx = rt.scheduler.ctx
+    ctx = rt.ctx
     sampler = Sampler(rt, ctx.trace, lambda: extra)
     ctx.trace = sampler
     rt.init_weights(lambda module: None)  # streams module by module, as a real init does

@@ -1,6 +1,6 @@
 """What a runtime holds after each transition, by kind, and each phase's largest total: what a plan keeps.
 
-:class:`Sampler` stands where a runtime's trace sits (``rt.scheduler.ctx.trace``): every transition the
+:class:`Sampler` stands where a runtime's trace sits (``rt.ctx.trace``): every transition the
 FSMs take calls it, and it counts the bytes held right then. The rehearsal of a plan
 (:mod:`paramfsm.planning.rehearsal`) and the measurement of a live run (:mod:`paramfsm.planning.measure`)
 use the same sampler, so a plan and a measurement count alike.

@@ -39,20 +39,20 @@ from paramfsm.errors import ParamFSMError
 @contextlib.contextmanager
 def no_sync(rt):
     """Backward passes inside keep their gradients on this rank; sync is restored (not run) on exit."""
-    scheduler = rt.scheduler
-    before = scheduler.grads.sync
-    scheduler.grads.sync = False
+    grads = rt.grads
+    before = grads.sync
+    grads.sync = False
     try:
         yield
     finally:
-        scheduler.grads.sync = before
+        grads.sync = before
 
 
 def set_requires_gradient_sync(rt, requires_gradient_sync: bool) -> None:
     """Turn the reduce-scatter of gradients at the end of backward on or off (FSDP2's switch)."""
     if not isinstance(requires_gradient_sync, bool):
         raise ParamFSMError(f"rt.set_requires_gradient_sync({requires_gradient_sync!r}): expected True or False")
-    rt.scheduler.grads.sync = requires_gradient_sync
+    rt.grads.sync = requires_gradient_sync
 
 
 def sync_gradients(rt) -> None:
@@ -64,21 +64,20 @@ def sync_gradients(rt) -> None:
     synchronise the same parameters] in :mod:`paramfsm.engine.effects.grad_sync`), and
     nothing when no such backward ran.
     """
-    scheduler = rt.scheduler
-    if scheduler.graph.running():
+    if rt.grads.backward_running():
         raise ParamFSMError("rt.sync_gradients() was called inside a backward (from a hook?); call it between "
                             "backward passes, on every rank")
-    unsynced = rt.executor.unsynced
+    unsynced = rt.unsynced
     lost = [rec for rec in unsynced.pending() if unsynced.entries[rec].grad is None]
     if lost:
         unsynced.refuse("rt.sync_gradients()", lost)
     with rt._reporting():
-        scheduler.grads.sync_kept(force=True)
+        rt.grads.sync_kept(force=True)
 
 
 def require_synced(rt, what: str) -> None:
     """Raise UnsyncedGradients naming the first parameter of ``rt`` whose gradient is not synchronised."""
-    unsynced = rt.executor.unsynced
+    unsynced = rt.unsynced
     if unsynced:
         unsynced.refuse(what)
 

@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from paramfsm import optim
 from paramfsm.optim import grad_norm
 from paramfsm.sharding import conversions, full_state, memory, meta, model_changes, rank_agreement
-from paramfsm.core.fsm import compile_table, default_table
+from paramfsm.core.fsm import StepContext, compile_table, default_table
 from paramfsm.core.spec import load_spec
 from paramfsm.engine.effects.collectives import resolve_group, resolve_mesh, timeout_s
 from paramfsm.engine.effects.executor import Executor
@@ -40,7 +40,7 @@ from paramfsm.engine.storage.units import build_units, select_unit_modules
 from paramfsm.engine.storage.unsupported import refuse_transforms, refuse_unsupported
 from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
 from paramfsm.sharding.offload import plan as offload_plan
-from paramfsm.sharding.rank_errors import agreed, groups_of
+from paramfsm.sharding.rank_errors import agreed, spanned
 
 RETAIN_POLICIES = ("defer", "regather")
 # Weak registries (they never keep a model alive): sharded models, and each partitioned
@@ -168,86 +168,82 @@ def check_reshard_policy(policy) -> None:
                                 "(name, module) -> bool")
 
 
-def apply_reshard_policy(rt, policy) -> None:
-    """Resolve ``reshard_after_forward`` per unit; a predicate that fails hands the model back first."""
-    try:
-        rt.scheduler.holds.keep_after_forward = reshard.kept_units(rt.units, policy)
-    except BaseException:
-        rt.close()
-        raise
+def assemble(cls, model, group, units, *, retain, max_deferred_bytes, prefetch, trace, spec, strict, bucket_bytes,
+             param_dtype, reduce_dtype, debug, collective_timeout, mesh, replicate_group, device=None,
+             device_mesh=None, sync_module_states: bool = False, offload=None, reshard_after_forward=True,
+             planned=None):
+    """Partition ``model``'s parameters, build every part of its runtime in one pass, and return the runtime
+    (``cls``, a :class:`~paramfsm.sharding.record.RuntimeRecord`) constructed with all of them.
 
-
-def assemble(rt, model, group, units, retain, max_deferred_bytes, prefetch, trace, spec, strict,
-             bucket_bytes, param_dtype, reduce_dtype, debug, collective_timeout, mesh, replicate_group,
-             device=None, device_mesh=None, sync_module_states: bool = False, offload=None) -> None:
-    """Partition ``model``'s parameters and wire the layers onto ``rt`` (the fields the facade reads)."""
-    rt.model = model
+    Each engine part receives its wiring as constructor arguments ([Note: a runtime's state is
+    declared] in :mod:`paramfsm.sharding.record`). A setting refused once the shards are cut (the
+    reshard predicate, the offload plan) gives every value back first ([Note: a refused shard()
+    changes nothing]).
+    """
     refuse_unsupported(model)
     device, born_meta = meta.placement(model, device, device_mesh)
-    rt.group, rt.rank, rt.world = resolve_group(group, device)
+    group, rank, world = resolve_group(group, device)
     # Hybrid sharding: the 2-D mesh and its replicate group; traces and dumps carry the global rank.
-    rt.mesh, rt.replicate_group = mesh, replicate_group
-    rt.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-    if rt.world > 1 or rt.replicas > 1:
-        rank_agreement.agree(model, groups_of(rt), device,
+    replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+    if world > 1 or replicas > 1:
+        rank_agreement.agree(model, spanned(group, replicate_group), device,
                              sync_module_states=sync_module_states)
-    trace_rank = dist.get_rank() if mesh is not None else rt.rank
-    rt.table = compile_table(load_spec(spec)) if spec is not None else default_table()
-    rt.units, by_id = build_units(model, units, rt.rank, rt.world, device=device, release=True)
+    trace_rank = dist.get_rank() if mesh is not None else rank
+    table = compile_table(load_spec(spec)) if spec is not None else default_table()
+    units, by_id = build_units(model, units, rank, world, device=device, release=True)
     records = list(by_id.values())
     compute_dtypes(model, records, param_dtype)
-    rt._by_id = by_id
-    rt._by_name = {name: rec for rec in records for name in rec.names}
-    rt._index = {id(rec): i for i, rec in enumerate(records)}  # numbers full-tensor collectives
+    index = {id(rec): i for i, rec in enumerate(records)}  # numbers full-tensor collectives
     # Always a Trace (rt.trace works with trace=0); only a recording one reaches the FSM.
-    coord = (dist.get_rank(replicate_group), rt.rank) if mesh is not None else ()
-    rt.trace = make_trace(trace, trace_rank, rt.table.digest, records, coord)
-    recording = rt.trace.limit != 0
-    rt.executor = Executor(rt.group, rt.rank, rt.world, param_dtype=param_dtype,
-                           reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
-                           streams=streams_for(device), timeout_s=collective_timeout,
-                           replicate_group=replicate_group, replicas=rt.replicas)
-    rt.scheduler = Scheduler(rt.table, rt.units, records, rt.executor,
-                             rank=trace_rank, retain=retain, prefetch=prefetch,
-                             max_deferred_bytes=max_deferred_bytes, bucket_bytes=bucket_bytes,
-                             trace=rt.trace if recording else None, strict=strict)
-    rt.flight = FlightRecorder(rt.trace if recording else None, rt.scheduler.ctx)
-    rt.scheduler.on_failure = rt.flight.failed
-    rt.flight.memory = lambda: memory.describe(memory.memory(rt))
-    rt.executor.ctx = rt.scheduler.ctx
-    rt.executor.unit_names = full_state.collective_names(rt.units, records)
+    coord = (dist.get_rank(replicate_group), rank) if mesh is not None else ()
+    trace = make_trace(trace, trace_rank, table.digest, records, coord)
+    recording = trace if trace.limit != 0 else None
+    ctx = StepContext(trace_rank, recording)
+    executor = Executor(group, rank, world, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                        bucket_bytes=bucket_bytes, streams=streams_for(device), timeout_s=collective_timeout,
+                        replicate_group=replicate_group, replicas=replicas, ctx=ctx,
+                        unit_names=full_state.collective_names(units, records),
+                        rank_check="header" if debug else "tag")
     if debug:
-        rt.executor.rank_check = "header"
         log.info("paramfsm units of %s on rank %d:\n%s", type(model).__name__, trace_rank,
-                 default_units.describe(rt.units))
-    rt.offload = None
+                 default_units.describe(units))
+    plan = None
     try:  # a tier's folder or disk can fail on one rank only ([Note: an error one rank meets])
-        with agreed(groups_of(rt), "paramfsm.shard's offload setting") if offload is not None \
-                else contextlib.nullcontext():
-            rt.offload = offload_plan(rt, offload)
+        kept = reshard.kept_units(units, reshard_after_forward)
+        with agreed(spanned(group, replicate_group), "paramfsm.shard's offload setting") \
+                if offload is not None else contextlib.nullcontext():
+            plan = offload_plan(offload, units=units, index=index, rank=rank, world=world, ctx=ctx)
     except BaseException:
-        if rt.offload is not None:  # built here, refused on another rank
-            rt.offload.close(strict=False)
-        give_back(rt, records, born_meta)
+        if plan is not None:  # built here, refused on another rank
+            plan.close(strict=False)
+        give_back(executor, len(units), index, records, born_meta, trace)
         raise
     for rec in records:
         partitioned.adopt(rec.param, rec, trace_rank)
-        rt.executor.free((rec,))
-    if rt.offload is not None:
-        rt.scheduler.attach_offload(rt.offload)
-    rt._handles = hooks.install(model, rt.units, records, rt.scheduler.emit)
-    rt._watch = model_changes.watch(model, records, trace_rank)
+        executor.free((rec,))
+    rt = None  # the runtime, constructed below: the flight recorder's memory line reads it once it exists
+    flight = FlightRecorder(recording, ctx, memory=lambda: memory.describe(memory.memory(rt)))
+    scheduler = Scheduler(table, units, records, executor, ctx=ctx, retain=retain, prefetch=prefetch,
+                          max_deferred_bytes=max_deferred_bytes, bucket_bytes=bucket_bytes, strict=strict,
+                          on_failure=flight.failed, keep_after_forward=kept, offload=plan)
+    rt = cls(model=model, group=group, rank=rank, world=world, mesh=mesh, replicate_group=replicate_group,
+             replicas=replicas, table=table, units=units, ctx=ctx, trace=trace, flight=flight, executor=executor,
+             scheduler=scheduler, grads=scheduler.grads, unsynced=executor.unsynced, offload=plan, by_id=by_id,
+             by_name={name: rec for rec in records for name in rec.names}, index=index,
+             handles=hooks.install(model, units, records, scheduler.emit),
+             watch=model_changes.watch(model, records, trace_rank), values=meta.Values(), planned=planned or {})
     rt._handles.append(model.register_forward_pre_hook(eager(partial(root_checks, rt, trace_rank)), prepend=True))
     meta.watch(rt, born_meta, device)
-    placeholder.answer_demands(records, rt.scheduler.on_demand.demand)
+    placeholder.answer_demands(records, scheduler.on_demand.demand)
     if param_dtype is not None:
         rt._handles.append(model.register_forward_pre_hook(partial(cast_inputs, param_dtype), with_kwargs=True))
     SHARDED[model] = True
     conversions.guard(model)
-    optim.install(records, rt.scheduler, rt)
+    optim.install(records, scheduler, rt)
     grad_norm.install()
     for rec in records:
         PARTITIONED[rec.param] = type(model).__name__
+    return rt
 
 
 def root_checks(rt, rank, module, args) -> None:
@@ -278,7 +274,7 @@ def compute_dtypes(model: nn.Module, records, param_dtype) -> None:
         rec.compute_dtype = rec.shard.dtype if id(rec.param) in kept else param_dtype
 
 
-def give_back(rt, records, born_meta: bool) -> None:
+def give_back(executor, units: int, index: dict, records, born_meta: bool, trace) -> None:
     """Put each parameter's full values back after ``shard()`` refused a setting once the shards were cut.
 
     [Note: a refused shard() changes nothing]
@@ -298,9 +294,9 @@ def give_back(rt, records, born_meta: bool) -> None:
                 torch.utils.swap_tensors(rec.param, nn.Parameter(
                     torch.empty(rec.shape, dtype=rec.param.dtype, device="meta"), requires_grad=rec.requires_grad))
             else:
-                rec.param.data = full_state.gather(rt, rec, rec.shard)
+                rec.param.data = full_state.gather_with(executor, rec, rec.shard, units=units, index=index, step=0)
     finally:
-        rt.trace.close()
+        trace.close()
 
 
 def cast_inputs(dtype, module, args, kwargs):

@@ -67,13 +67,9 @@ def collective_names(units, records) -> tuple[str, ...]:
     return tuple(names + [f"<all-reduce of {what}>" for what in REDUCTIONS] + [BACKWARD_END])
 
 
-def _step(rt) -> int:
+def _step(ctx) -> int:
     """The step a full-tensor collective is tagged with: the named one (``rt.set_step``), else the pass's."""
-    step = rt.scheduler.pinned_step
-    if step is None:
-        ex = rt.executor
-        step = ex.ctx.step if ex.ctx is not None else 0
-    return step
+    return ctx.pinned if ctx.pinned is not None else ctx.step
 
 
 def all_reduce(rt, values: torch.Tensor, op: str, what: str) -> torch.Tensor:
@@ -84,7 +80,7 @@ def all_reduce(rt, values: torch.Tensor, op: str, what: str) -> torch.Tensor:
     """
     ex, world = rt.executor, rt.world
     flat = values.detach().reshape(-1)
-    fields = (ex.counters.all_gathers, _step(rt), len(rt.units) + 2 * len(rt._index) + REDUCTIONS.index(what),
+    fields = (ex.counters.all_gathers, _step(rt.ctx), len(rt.units) + 2 * len(rt._index) + REDUCTIONS.index(what),
               flat.numel())
     name = f"all-reduce of {what}"
     tagged, named = ex.rank_check == "tag" and flat.device.type == "cpu", None
@@ -115,16 +111,24 @@ def gather(rt, rec, tensor: torch.Tensor, kind: str = PARAMETER, keep: bool = Tr
     in errors and tags). With ``keep=False`` the rank takes part in the
     collective and its check but builds no full tensor and returns None.
     """
+    return gather_with(rt.executor, rec, tensor, kind, keep, units=len(rt.units), index=rt._index, step=_step(rt.ctx))
+
+
+def gather_with(ex, rec, tensor: torch.Tensor, kind: str = PARAMETER, keep: bool = True, *, units: int, index: dict,
+                step: int) -> torch.Tensor | None:
+    """:func:`gather` through the executor ``ex`` alone, given what numbers its tag: the count of ``units``,
+    each parameter's ``index`` and the ``step`` (also before a runtime exists: a refused ``shard()`` gives
+    the values back with it)."""
     shard = tensor.detach()
-    if rt.world == 1:
+    world = ex.world
+    if world == 1:
         return shard[: rec.numel].view(rec.shape).clone() if keep else None
-    ex, world = rt.executor, rt.world
-    index = len(rt.units) + 2 * rt._index[id(rec)] + (kind == GRADIENT)
-    fields = (ex.counters.all_gathers, _step(rt), index, rec.shard_numel)
+    tag_index = units + 2 * index[id(rec)] + (kind == GRADIENT)
+    fields = (ex.counters.all_gathers, step, tag_index, rec.shard_numel)
     what = f"all-gather of the full {kind} '{rec.name}'"
     tagged = ex.rank_check == "tag" and shard.device.type == "cpu"
     if ex.rank_check == "header":
-        rankcheck.check_header(fields, rt.rank, world, rt.group, ex.unit_names, "all-gather",
+        rankcheck.check_header(fields, ex.rank, world, ex.group, ex.unit_names, "all-gather",
                                ex.timed_wait(f"rank-check header of the {what}", (rec,)))
     parts = [shard.reshape(-1)]
     if tagged:
@@ -132,12 +136,12 @@ def gather(rt, rec, tensor: torch.Tensor, kind: str = PARAMETER, keep: bool = Tr
     layout = kernels.shard_layout((rec.numel,) + ((rankcheck.TAG_NUMEL * world,) if tagged else ()), world)
     send = kernels.pack_shards(parts, torch.empty(layout.total, dtype=shard.dtype, device=shard.device))
     recv = torch.empty(layout.gathered_numel, dtype=shard.dtype, device=shard.device)
-    work = all_gather_flat(recv, send, rt.group, async_op=True)
+    work = all_gather_flat(recv, send, ex.group, async_op=True)
     ex.counters.all_gathers += 1
     ex.counters.gathered_bytes += recv.numel() * recv.element_size()
     ex.timed_wait(what, (rec,))(work)
     if tagged:  # the tag is the last rankcheck.TAG_NUMEL elements of every rank's slice
-        rankcheck.check_encoded(recv.view(world, layout.total)[:, -rankcheck.TAG_NUMEL:], rt.rank, ex.unit_names)
+        rankcheck.check_encoded(recv.view(world, layout.total)[:, -rankcheck.TAG_NUMEL:], ex.rank, ex.unit_names)
     if not keep:
         return None
     full = torch.empty(rec.shape, dtype=shard.dtype, device=shard.device)

@@ -56,7 +56,7 @@ def memory(rt) -> dict[str, int]:
             data = rec.param.data
             size = data.numel() * data.element_size()
             held[kind] += size if size else rec.numel * rec.compute_dtype.itemsize
-    held["unsynced_grads"] = rt.executor.unsynced.nbytes
+    held["unsynced_grads"] = rt.unsynced.nbytes
     plan = getattr(rt, "offload", None)
     if plan is not None:
         held.update(plan.memory())

@@ -138,8 +138,7 @@ class Values:
 
 
 def watch(rt, born_meta: bool, device: torch.device) -> None:
-    """Set ``rt._values``; for a meta-built model, materialise its buffers and start the guard."""
-    rt._values = Values()
+    """For a meta-built model, materialise its buffers and start the guard over ``rt._values``."""
     if born_meta:
         rt._values.buffers = materialise_buffers(rt.model, device)
         rt._values.unset = "the model was built on the meta device and its parameters have no values yet"

@@ -131,11 +131,14 @@ def check_offload(offload) -> None:
                                 "(unit name, module) -> Offload | None")
 
 
-def plan(rt, offload) -> OffloadPlan | None:
-    """Resolve ``offload`` per unit and build the plan (None when nothing is offloaded)."""
+def plan(offload, *, units, index: dict, rank: int, world: int, ctx) -> OffloadPlan | None:
+    """Resolve ``offload`` per unit and build the plan (None when nothing is offloaded).
+
+    ``index`` numbers each parameter's record (its slot in the tiers), ``ctx`` is the step context the
+    residency shares with the schedule."""
     if offload is None:
         return None
-    per_unit = {unit.name: _for_unit(offload, unit) for unit in rt.units}
+    per_unit = {unit.name: _for_unit(offload, unit) for unit in units}
     chosen = [o for o in per_unit.values() if o is not None]
     if not chosen:
         return None
@@ -144,23 +147,23 @@ def plan(rt, offload) -> OffloadPlan | None:
         raise ArgumentError(f"offload: units give different max_resident_bytes {sorted(bounds, key=str)}; the "
                             "resident set is one per rank, so give every unit the same bound")
     bound = bounds.pop()
-    residency = Residency(rt.scheduler.ctx, max_resident_bytes=bound)
+    residency = Residency(ctx, max_resident_bytes=bound)
     pagers: dict = {}
 
     def pager(where: str, o: Offload, owner: str) -> Pager:
         key = (where, str(Path(o.path).expanduser().resolve()) if where == "disk" else "")
         if key not in pagers:
             if meta.REHEARSING[0]:  # a memory plan's rehearsal: sizes only, nothing allocated or written
-                tier = RehearsalTier(where, rt.rank)
+                tier = RehearsalTier(where, rank)
             elif where == "disk":
-                tier = DiskTier(o.path, rt.rank, owner)
+                tier = DiskTier(o.path, rank, owner)
             else:
-                tier = HostTier(rt.rank, o.pin_memory)
-            pagers[key] = Pager(tier, rt.rank, _copy_lane(rt, o))
+                tier = HostTier(rank, o.pin_memory)
+            pagers[key] = Pager(tier, rank, _copy_lane(units, o))
         return pagers[key]
 
     try:
-        return _build(rt, per_unit, residency, pagers, pager, bound)
+        return _build(units, index, world, per_unit, residency, pagers, pager, bound)
     except BaseException:
         residency.page_in_all(strict=False)  # shards already paged out come back before their tier goes
         for made in pagers.values():
@@ -168,10 +171,9 @@ def plan(rt, offload) -> OffloadPlan | None:
         raise
 
 
-def _build(rt, per_unit, residency, pagers, pager, bound) -> OffloadPlan:
-    index = rt._index
+def _build(units, index, world, per_unit, residency, pagers, pager, bound) -> OffloadPlan:
     grad_pagers: dict = {}
-    for unit in rt.units:
+    for unit in units:
         o = per_unit[unit.name]
         if o is None or (o.params is None and o.grads is None):
             continue
@@ -181,7 +183,7 @@ def _build(rt, per_unit, residency, pagers, pager, bound) -> OffloadPlan:
                 grad_pagers.setdefault(rec, pager(o.grads, o, rec.name))
         if o.params is None:
             continue
-        if rt.world == 1:
+        if world == 1:
             raise ArgumentError(
                 f"offload params={o.params!r} for unit '{unit.name}': on one rank a parameter is a view of its "
                 "shard, so the shard cannot leave working memory. What to do: offload the optimizer state "
@@ -191,7 +193,7 @@ def _build(rt, per_unit, residency, pagers, pager, bound) -> OffloadPlan:
                 continue
             residency.shards[rec] = Paged(rec.name, unit.name, "shard", _shard_values(rec, index[id(rec)]),
                                           pager(o.params, o, rec.name), index[id(rec)])
-    optimizer_units = _optimizer_units(rt.units, per_unit, pager)
+    optimizer_units = _optimizer_units(units, per_unit, pager)
     grads = GradPaging(residency, grad_pagers, index) if grad_pagers else None
     result = OffloadPlan(residency, pagers, optimizer_units, grads)
     for p in list(residency.shards.values()):
@@ -234,9 +236,9 @@ def _optimizer_units(units, per_unit, pager) -> dict:
     return result
 
 
-def _copy_lane(rt, o: Offload):
+def _copy_lane(units, o: Offload):
     """The copy lane of a host tier (``Offload(copy_stream=True)`` on CUDA), or None."""
-    devices = {rec.shard.device for rec in rt._by_id.values()}
+    devices = {rec.shard.device for unit in units for rec in unit.records}
     if not o.copy_stream or len(devices) != 1 or next(iter(devices)).type != "cuda":
         return None
     return DeviceStreams(next(iter(devices)), lanes=(PAGE,))

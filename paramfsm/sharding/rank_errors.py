@@ -51,7 +51,12 @@ def agree(group, error: str | None) -> tuple[int, str] | None:
 
 def groups_of(rt) -> list:
     """The process groups a runtime's ranks span: its shard group, and a hybrid mesh's replicate group."""
-    return [rt.group] + ([rt.replicate_group] if rt.replicate_group is not None else [])
+    return spanned(rt.group, rt.replicate_group)
+
+
+def spanned(group, replicate_group) -> list:
+    """The shard ``group``, and ``replicate_group`` unless None (a hybrid mesh)."""
+    return [group] + ([replicate_group] if replicate_group is not None else [])
 
 
 @contextlib.contextmanager

@@ -27,9 +27,9 @@ def remove_hooks(rt) -> None:
 
 def _forget(rt) -> None:
     """Stop the scheduler and trace and drop the model from the registries."""
-    rt.scheduler.closed = True
+    rt.scheduler.close()
     model_changes.forget(rt._watch, rt.model)
-    rt.executor.unsynced.drop()
+    rt.unsynced.drop()
     rt.trace.close()
     SHARDED.pop(rt.model, None)
     conversions.unguard(rt.model)

@@ -27,7 +27,7 @@ from typing import Mapping
 
 def kept_names(rt) -> frozenset[str]:
     """The parameters whose gradient this rank keeps unsynchronised (lost ones included)."""
-    unsynced = rt.executor.unsynced
+    unsynced = rt.unsynced
     return frozenset(rec.name for rec in unsynced.pending()) if unsynced else frozenset()
 
 

@@ -72,7 +72,11 @@ class Executor(Gathers):
 
     def __init__(self, group, rank: int, world: int, *, param_dtype=None, reduce_dtype=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, streams=None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 replicate_group=None, replicas: int = 1):
+                 replicate_group=None, replicas: int = 1, ctx=None, unit_names: tuple[str, ...] = (),
+                 rank_check: str | None = "tag"):
+        """``ctx``: the step context shared with the scheduler (for the step in tags and messages; None:
+        step 0); ``unit_names``: what a rank-order tag can point at, for messages
+        (:func:`paramfsm.sharding.full_state.collective_names`); ``rank_check``: see below."""
         self.group, self.rank, self.world = group, rank, world
         # Hybrid sharding: gradients are also summed across replicas ([Note: hybrid reduction]).
         self.replicate_group, self.replicas = replicate_group, replicas
@@ -94,14 +98,13 @@ class Executor(Gathers):
         self._reduces: list = []  # (ticket, records, layout) in flight
         # The rank-order check (paramfsm.engine.effects.rankcheck): "tag" rides in the bucket and, with
         # ``agree_sizes``, sizes are agreed before each collective moves (the default); "header" is a
-        # separate fixed-size all-gather first (debug=True); None is off. The runtime sets
-        # ``ctx`` (for the step) and ``unit_names`` (for messages).
-        self._rank_check: str | None = "tag"
+        # separate fixed-size all-gather first (debug=True); None is off.
+        self._rank_check: str | None = rank_check
         self._agree_sizes = True
         self._routes: dict = {}  # (collective, device type) -> how its sizes are agreed (collectives.size_agreement)
         self._share_agreement(forget=True)  # a new runtime starts a new sequence of collectives
-        self.ctx = None
-        self.unit_names: tuple[str, ...] = ()
+        self.ctx = ctx
+        self.unit_names = unit_names
         # Reduced gradient shards handed back to the schedule, in the order they completed, instead of added
         # into shard.grad here (offloaded shard gradients: see hand_back_reduced); None: added here.
         self.completions = None

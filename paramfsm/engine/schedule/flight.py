@@ -89,14 +89,14 @@ def dump_dir() -> Path:
 class FlightRecorder:
     """Writes a runtime's trace when a failure is reported; at most one dump per new records."""
 
-    def __init__(self, trace, ctx):
+    def __init__(self, trace, ctx, memory=None):
         self.trace, self.ctx = trace, ctx
         self.dumps: list[Path] = []
         # Transitions seen at the last dump: nothing new, no dump. It starts at 0, so a failure before
         # the first transition (a forward stopped by a guard of shard(), say) writes no empty dump.
         self._dumped_at = 0
         self._capped = False
-        self.memory = None  # () -> a line of the bytes held by kind (set by the runtime), for messages
+        self.memory = memory  # () -> a line of the bytes held by kind, for messages (None: no line)
 
     def failed(self, exc: BaseException | None = None, reason: str | None = None) -> Path | None:
         """Dump for a failure (``exc`` raised, or ``reason`` without one); note the file on ``exc``."""

@@ -94,6 +94,10 @@ class GradRouting:
         self.grad_nodes: dict = {}
         self.zero_filled: dict = {}  # unit -> parameters sent as zeros in this backward
 
+    def backward_running(self) -> bool:
+        """Whether a backward is in progress (a kept gradient is synchronised only between backward passes)."""
+        return self._graph.running()
+
     def attach(self, graph) -> None:
         """The graph tasks it asks (constructed after it, since they call it too)."""
         self._graph = graph
@@ -168,7 +172,7 @@ class GradRouting:
             for unit in self._units:
                 if plan.get(unit) is not None:
                     self._close(unit, plan)
-        if self._graph.running():
+        if self.backward_running():
             return
         grads, filled = self.staged_grads, self.zero_filled
         if grads:

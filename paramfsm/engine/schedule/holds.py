@@ -23,9 +23,9 @@ class ForwardHolds:
 
     __slots__ = ("_release", "keep_after_forward", "kept", "outside", "watched", "watching")
 
-    def __init__(self, release):
+    def __init__(self, release, keep_after_forward: frozenset = frozenset()):
         self._release = release
-        self.keep_after_forward: frozenset = frozenset()  # units whose forward hold is kept (reshard.py)
+        self.keep_after_forward = keep_after_forward  # units whose forward hold is kept (reshard.py)
         self.kept: dict = {}  # id of the forward call -> unit
         self.outside: dict = {}  # unit -> holds taken by rt.gathered
         self.watched: dict = {}  # id of the forward call -> the records its hold watches

@@ -55,18 +55,21 @@ log = logging.getLogger(__name__)
 class Scheduler:
     """Applies events to parameter lifetimes; see the module docstring."""
 
-    def __init__(self, table, units, records, executor, *, rank: int, retain: str, prefetch: int,
-                 max_deferred_bytes, bucket_bytes: int, trace=None, strict: bool = False):
+    def __init__(self, table, units, records, executor, *, ctx: StepContext, retain: str, prefetch: int,
+                 max_deferred_bytes, bucket_bytes: int, strict: bool = False, on_failure=None,
+                 keep_after_forward: frozenset = frozenset(), offload=None):
+        """``ctx`` is shared with the executor (and an offload plan's residency); ``on_failure`` is the flight
+        recorder's ``failed(exc, reason)`` (:mod:`paramfsm.engine.schedule.flight`); ``keep_after_forward``
+        the units not resharded after forward (:mod:`paramfsm.engine.schedule.reshard`); ``offload`` the
+        offload plan whose residency the schedule drives (``paramfsm.shard(offload=...)``), or None."""
         self.table, self.units, self.records, self.executor = table, units, records, executor
         self._records = set(records)
-        self.ctx = StepContext(rank, trace)
+        self.ctx = ctx
         checked = CrossCheckedStep(table.spec, step, step_many) if strict else None
         self._stepper = checked if strict else step
         self._stepper_many = checked.many if strict else step_many
         self.closed = False
-        # The flight recorder's ``failed(exc, reason)`` (paramfsm.engine.schedule.flight), and the training
-        # step given by rt.set_step (None: count root forwards); both set by the runtime.
-        self.on_failure = self.pinned_step = None
+        self.on_failure = on_failure
         self._queue: deque = deque()
         # Parameters whose GRAD_READY is queued: the graph tasks fill it, and it is drained before any event of
         # another kind is applied ([Note: accumulated gradients are stepped together] in backward.py).
@@ -76,7 +79,7 @@ class Scheduler:
         step_one, step_all = self._step, self._step_all
         self.prefetch = Prefetch(step_one, step_all, executor, units, prefetch=prefetch, bucket_bytes=bucket_bytes)
         self.deferral = Deferral(step_one, step_all, allowed=retain == "defer", bound=max_deferred_bytes)
-        self.holds = ForwardHolds(self.deferral.release)
+        self.holds = ForwardHolds(self.deferral.release, keep_after_forward)
         self.grads = GradRouting(executor, units, step_all, self.hand_back)
         self.audit = LeakAudit(records, self.ctx, self.holds.held_units, self.report_failure, strict=strict)
         self.graph = GraphTasks(self.ctx, self.emit, step_one, step_all, self._ready, prefetch=self.prefetch,
@@ -87,8 +90,11 @@ class Scheduler:
         self.on_demand.attach(self.graph)
         writes = ShardWrites(step_one, self.holds.release_kept)
         # Offloaded shards and optimizer state (paramfsm.engine.schedule.residency), or None; the plan
-        # (tiers, which units offload what) is the facade's (paramfsm.sharding.offload); see attach_offload.
-        self.residency = self.offload_plan = None
+        # (tiers, which units offload what) is the facade's (paramfsm.sharding.offload).
+        self.offload_plan = offload
+        self.residency = offload.residency if offload is not None else None
+        if offload is not None and offload.grads is not None:
+            executor.hand_back_reduced()
         # The count of each phase's peak memory once rt.reset_peak_memory() turned it on (paramfsm.sharding.memory), or None.
         self.peaks = None
         self._effects = self._effect_runners()
@@ -135,13 +141,6 @@ class Scheduler:
             runners["discard_gather"] = self.residency.gathered(runners["discard_gather"])
             runners["write_back"] = self.residency.writing(runners["write_back"])
         return runners
-
-    def attach_offload(self, plan) -> None:
-        """Drive the residency of ``plan``'s offloaded values from now on (``paramfsm.shard(offload=...)``)."""
-        self.offload_plan, self.residency = plan, plan.residency
-        if plan.grads is not None:
-            self.executor.hand_back_reduced()
-        self._effects = self._effect_runners()
 
     def hand_back(self) -> None:
         """Add the reduced gradient shards the executor handed back (offloaded shard gradients only) into
@@ -240,7 +239,8 @@ class Scheduler:
         self.holds.release_all()
         if self.residency is not None:
             self.residency.settle()
-        self.ctx.step = self.pinned_step if self.pinned_step is not None else self.ctx.step + 1
+        ctx = self.ctx
+        ctx.step = ctx.pinned if ctx.pinned is not None else ctx.step + 1
         self.prefetch.begin_forward()
         self.on_demand.reset()
 
@@ -341,6 +341,10 @@ class Scheduler:
     def write_back(self, records) -> None:
         """Write the held full copies of ``records`` back into their shards (``rt.gathered(writeback=True)``)."""
         self.emit(Event(WRITTEN_BACK, records=records))
+
+    def close(self) -> None:
+        """Stop applying events: the runtime let go of its model (``rt.close()``, ``rt.detach()``)."""
+        self.closed = True
 
     def request_flush(self) -> None:
         """rt.flush(): queued like any event, so it never interleaves with a step in progress."""
