@@ -16,7 +16,8 @@ Jobs: ``w1`` (world 1), ``w2`` (world 2), ``w2s`` (world 2,
 in B's server only, for the ratio to FSDP2), ``hooks`` (world 1, paramfsm's hooks alone,
 emitting into a no-op: with ``w1``, the microseconds per unit per step above the hooks). Models: those of :mod:`step_overhead`,
 and ``llama``, the tiny Hugging Face Llama of :mod:`default_units` under the
-default units (jobs ``w1``, ``w2`` and ``fsdp2``, FSDP2 wrapping each decoder layer). B/A is the A/B figure of the
+default units (jobs ``w1``, ``w2`` and ``fsdp2``, FSDP2 wrapping each decoder layer; ``w2b``: world 2 with
+FSDP2's wrapping given as ``units=``, the blocks a user would choose by hand). B/A is the A/B figure of the
 change between the two checkouts: the ratio of the medians, and "paired", the
 median over rounds of each round's B / A (the two taken back to back, so it
 cancels drift between rounds best).
@@ -59,7 +60,7 @@ with RankPool(1) as one, RankPool(2) as two:
     for line in sys.stdin:
         job, name, steps, warmup = json.loads(line)
         if name in du.MODELS and name not in so.MODELS:  # a Hugging Face model, default units
-            setting = {"plain": "plain", "w1": None, "w2": None, "fsdp2": "FSDP2"}[job]
+            setting = {"plain": "plain", "w1": None, "w2": None, "w2b": "blocks", "fsdp2": "FSDP2"}[job]
             pool = one if job in ("plain", "w1") else two
             out = max(r[0] for r in pool.run(du.step_job, name, setting, steps, warmup))
         elif job == "plain":
@@ -118,7 +119,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", default=["a", "t"], choices=["a", "u", "b", "t", *HF_MODELS],
                         help="step_overhead's models, or llama: default_units' tiny Hugging Face Llama (default "
                              "units; its fsdp2 job wraps each decoder layer)")
-    parser.add_argument("--jobs", nargs="+", default=["w1", "w2", "w2s"], choices=["w1", "w2", "w2s", "fsdp2", "hooks"])
+    parser.add_argument("--jobs", nargs="+", default=["w1", "w2", "w2s"],
+                        choices=["w1", "w2", "w2s", "w2b", "fsdp2", "hooks"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
             order = ("A", "B") if round_ % 2 == 0 else ("B", "A")
             for name in args.models:
                 for job in ("plain", *args.jobs):
-                    if name in HF_MODELS and job not in ("plain", "w1", "w2", "fsdp2"):
+                    if (name in HF_MODELS) != (job == "w2b") and job not in ("plain", "w1", "w2", "fsdp2"):
                         continue
                     for version in ("B",) if job == "fsdp2" else order:
                         seconds = servers[version].run(job, name, args.steps, args.warmup)
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
                 ha, hb = med[(name, "hooks", "A")], med[(name, "hooks", "B")]
                 line += (f"   above the hooks, us per unit: A {(a - ha) / PER_UNIT[name] * 1e6:.1f}, "
                          f"B {(b - hb) / PER_UNIT[name] * 1e6:.1f}")
-            if "fsdp2" in args.jobs and job == "w2":
+            if "fsdp2" in args.jobs and job in ("w2", "w2b"):
                 f2 = med[(name, "fsdp2", "B")]
                 line += f"   FSDP2 {f2 * 1e3:.2f} ms: A/FSDP2 {a / f2:.2f}, B/FSDP2 {b / f2:.2f}"
             print(line)

@@ -107,6 +107,7 @@ def blocks(model) -> list:
 
 def step_job(rank, world, name: str, setting, steps: int, warmup: int):
     """(median seconds per step, units, step peak MiB) under ``setting``: "plain", "per-module",
+    "blocks" (paramfsm with FSDP2's wrapping as ``units=``: each declared block, the rest in the root),
     "FSDP2" or a ``min_unit_bytes``."""
     warnings.simplefilter("ignore")  # FSDP2's view-output and transformers' config notices, once per job
     model, x = build(name)
@@ -124,7 +125,8 @@ def step_job(rank, world, name: str, setting, steps: int, warmup: int):
     elif setting != "plain":
         import paramfsm
 
-        kwargs = {"units": per_module} if setting == "per-module" else {"min_unit_bytes": setting}
+        kwargs = ({"units": per_module} if setting == "per-module" else {"units": blocks(model)}
+                  if setting == "blocks" else {"min_unit_bytes": setting})
         rt = paramfsm.shard(model, **kwargs)
         units = len(rt.units)
     opt = torch.optim.SGD(rt.shard_parameters() if rt else model.parameters(), lr=1e-3)

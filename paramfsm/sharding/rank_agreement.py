@@ -33,7 +33,9 @@ Hybrid sharding checks the shard group and the replicate group alike.
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
+import sys
 import warnings
 
 import torch
@@ -95,7 +97,7 @@ def agree(model: nn.Module, groups, device, *, sync_module_states: bool) -> None
                 "would be stitched together from several. What to do: seed every rank alike before "
                 "building the model (torch.manual_seed(seed), the same seed everywhere), or pass "
                 "paramfsm.shard(model, sync_module_states=True) to start from rank 0's values; if you load "
-                "weights afterwards (rt.load_full_state_dict), ignore this warning."), stacklevel=5)
+                "weights afterwards (rt.load_full_state_dict), ignore this warning."), stacklevel=_caller_level())
     if sync_module_states:  # only once the structures agree: different models would pair different broadcasts
         for group in groups:
             broadcast_states(model, group)
@@ -142,3 +144,13 @@ def first_difference(mine: list[tuple], theirs: list[tuple]) -> str:
         return (f"{len(mine)} parameters here and {len(theirs)} there; the first extra one, '{extra}', "
                 f"exists only {here}")
     return "their descriptions differ"
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside paramfsm: the line that called ``paramfsm.shard``, however
+    many of paramfsm's own calls stand between (a fixed count broke when the assembly moved)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
