@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
 
 from paramfsm.errors import ModelMismatch
 from paramfsm.sharding.rank_agreement import RanksDiffer, agree, describe, fingerprint, first_difference
+from threaded_ranks import on_ranks
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 
@@ -116,35 +116,6 @@ def test_the_first_difference_of_a_longer_model_names_the_first_extra_parameter(
 # ---------------------------------------------------------------------- agree, on threaded ranks
 
 
-def _on_ranks(world: int, job):
-    """``job(rank)`` on ``world`` ranks, one thread each in a threaded process group: (results, errors)."""
-    results, errors = [None] * world, [None] * world
-    store = dist.HashStore()
-
-    def body(rank):
-        dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
-        try:
-            results[rank] = job(rank)
-        except Exception as exc:  # noqa: BLE001 - the test inspects every rank's error
-            errors[rank] = exc
-        finally:
-            dist.destroy_process_group()
-
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    _install_threaded_pg()
-    try:
-        threads = [threading.Thread(target=body, args=(rank,), daemon=True) for rank in range(world)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=10)
-        assert not any(thread.is_alive() for thread in threads), "a rank is blocked"
-    finally:
-        _uninstall_threaded_pg()
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-    return results, errors
-
-
 def _values(model) -> list[torch.Tensor]:
     return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
 
@@ -160,7 +131,7 @@ def _agreeing(world: int, build, groups=lambda: [None], sync: bool = False):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results, errors = _on_ranks(world, job)
+        results, errors = on_ranks(world, job)
     return results, errors, [str(w.message) for w in caught if issubclass(w.category, RanksDiffer)]
 
 
