@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from paramfsm import optim
 from paramfsm.optim import grad_norm
 from paramfsm.sharding import accumulation, assembly, full_state, materialize, memory, teardown
 from paramfsm.sharding import offload as offload_module
@@ -112,13 +113,18 @@ def shard(model: nn.Module, *, group=None, units=None, retain: str = "defer", ma
         reduce_dtype=reduce_dtype, debug=debug, collective_timeout=collective_timeout,
         sync_module_states=sync_module_states, reshard_after_forward=reshard_after_forward,
         min_unit_bytes=min_unit_bytes)
-    return assembly.assemble(
+    rt = assembly.assemble(
         Runtime, model, group, units, retain=retain, max_deferred_bytes=max_deferred_bytes, prefetch=prefetch,
         trace=trace, spec=spec, strict=strict, bucket_bytes=bucket_bytes, param_dtype=param_dtype,
         reduce_dtype=reduce_dtype, debug=debug, collective_timeout=limit,
         mesh=mesh if replicate_group is not None else None, replicate_group=replicate_group, device=device,
         device_mesh=mesh, sync_module_states=sync_module_states, offload=offload,
         reshard_after_forward=reshard_after_forward, planned=dict(planned, offload=offload, mesh=mesh))
+    # The optimizer step pre-hook that maps optimizers built over model.parameters() to the shards, and
+    # torch's clip_grad_norm_ over shard gradients: installed from here, as sharding/ stands below optim/.
+    optim.install(list(rt._by_id.values()), rt.scheduler, rt)
+    grad_norm.install()
+    return rt
 
 
 class Runtime(RuntimeRecord):

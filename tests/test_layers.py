@@ -106,17 +106,23 @@ def planning_forbids(name: str) -> bool:
     return _top(name) in ("verify", "testing", "checkpoint", "integrations")
 
 
-def sharding_forbids(name: str) -> bool:
+def optim_forbids(name: str) -> bool:
     """sharding/ and optim/ are what shard() does and what a step needs: checkpoints, integrations, plans,
     verify and the test kit are built on them, never the reverse."""
     return _top(name) in ("checkpoint", "integrations", "planning", "verify", "testing")
+
+
+def sharding_forbids(name: str) -> bool:
+    """sharding/ stands below optim/ (whose step reads full tensors and refuses unsynced gradients through it)
+    and below the facade that wires the two (``paramfsm.shard`` installs the optimizer's step hook)."""
+    return optim_forbids(name) or _top(name) in ("optim", "runtime")
 
 
 #: What the top level holds: what users import or run. Everything else is in a folder of its concern.
 TOP_LEVEL = {"__init__.py", "__main__.py", "amp.py", "cli.py", "errors.py", "runtime.py"}
 
 FORBIDS = {"core": core_forbids, "engine": engine_forbids, "verify": verify_forbids, "planning": planning_forbids,
-           "sharding": sharding_forbids, "optim": sharding_forbids,
+           "sharding": sharding_forbids, "optim": optim_forbids,
            **{f"engine/{room}": room_forbids(room) for room in ROOMS}}
 
 
@@ -152,6 +158,9 @@ def test_the_check_sees_violations(tmp_path, monkeypatch):
                         ("sharding", "from paramfsm.checkpoint import saving"),
                         ("sharding", "def f():\n    import paramfsm.integrations.hf\n"),
                         ("sharding", "from paramfsm.verify import runner"),
+                        ("sharding", "from paramfsm import optim"),
+                        ("sharding", "def f():\n    from paramfsm.optim import grad_norm\n"),
+                        ("sharding", "from paramfsm.runtime import Runtime"),
                         ("optim", "from paramfsm import checkpoint"),
                         ("optim", "def f():\n    from paramfsm.planning import measure\n"),
                         ("engine/events", "from paramfsm.engine.schedule.plan import PassState"),

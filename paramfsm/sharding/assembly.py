@@ -22,8 +22,6 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from paramfsm import optim
-from paramfsm.optim import grad_norm
 from paramfsm.sharding import conversions, full_state, memory, meta, model_changes, rank_agreement
 from paramfsm.core.fsm import StepContext, compile_table, default_table
 from paramfsm.core.spec import load_spec
@@ -239,8 +237,6 @@ def assemble(cls, model, group, units, *, retain, max_deferred_bytes, prefetch, 
         rt._handles.append(model.register_forward_pre_hook(partial(cast_inputs, param_dtype), with_kwargs=True))
     SHARDED[model] = True
     conversions.guard(model)
-    optim.install(records, scheduler, rt)
-    grad_norm.install()
     for rec in records:
         PARTITIONED[rec.param] = type(model).__name__
     return rt
