@@ -56,3 +56,16 @@ def ranks4():
     """Four gloo ranks (the most the suite spawns): a 2 x 2 device mesh for hybrid sharding."""
     with RankPool(4, timeout=180, environ=SUITE_ENVIRON) as pool:
         yield pool
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Leave no default process group behind (``paramfsm.shard(group="single")`` makes one and keeps it).
+
+    ``make mutate`` runs the selected tests once in its own process, then forks that process for every
+    mutant; a group inherited across a fork has lost its threads, so the first collective of every mutant's
+    tests would never return and each mutant would count as a timeout, caught or not.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -18,6 +18,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import paramfsm
@@ -35,10 +36,17 @@ LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 @contextlib.contextmanager
 def launched(rank, world):
-    """A plain ``python script.py``: no launcher's variables, and a fresh Accelerate process state."""
+    """A plain ``python script.py``: no launcher's variables, and a fresh Accelerate process state.
+
+    ``paramfsm.shard(group="single")`` (what the Accelerator uses alone) leaves a one-rank default group; it
+    is destroyed on the way out, so the process is left as it was found: ``make mutate`` forks the test
+    process for every mutant, and a group inherited across a fork has lost its threads (its next
+    collective never returns).
+    """
     from accelerate.state import AcceleratorState
 
     assert (rank, world) == (0, 1)
+    before = dist.is_initialized()
     saved = {key: os.environ.pop(key) for key in LAUNCHER if key in os.environ}
     AcceleratorState._reset_state(True)
     try:
@@ -46,6 +54,8 @@ def launched(rank, world):
     finally:
         AcceleratorState._reset_state(True)
         os.environ.update(saved)
+        if dist.is_initialized() and not before:
+            dist.destroy_process_group()
 
 
 def _ours(accum, norm_type=2.0, **options):
