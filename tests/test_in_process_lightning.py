@@ -11,12 +11,17 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+from torch import nn
+
+from paramfsm.errors import ParamFSMError
 
 L = pytest.importorskip("lightning.pytorch")
 
 from one_rank import one_rank  # noqa: E402,F401 - the fixture
+from paramfsm.integrations.lightning import ParamFSMStrategy  # noqa: E402 - after the skip
 from test_integrations_lightning import (  # noqa: E402 - the module and fits both files run
-    BATCHES, PER_RANK, WORLD, Regressor, loaders, resume_job, sharded_fit, steps_job, trainer,
+    BATCHES, DIM, PER_RANK, WORLD, Regressor, loaders, resume_job, sharded_fit, steps_job, trainer,
 )
 
 #: Batches one rank takes in an epoch: all of them (the data holds BATCHES global batches of WORLD ranks).
@@ -62,3 +67,122 @@ def test_each_batch_names_its_step_and_accumulation_reduces_once_per_step(one_ra
     assert out["named"] == list(range(STEPS)), out
     assert out["global_step"] == STEPS, out
     assert len(out["reduced"]) == out["params"] and set(out["reduced"].values()) == {STEPS}, out
+
+
+class Eager(Regressor):
+    """The same module built in ``__init__`` (on the CPU), not in ``configure_model``."""
+
+    def __init__(self, half: bool = False):
+        super().__init__()
+        if not half:
+            Regressor.configure_model(self)
+        else:  # one layer now, the rest in configure_model: refused, naming both
+            self.first = nn.Linear(DIM, DIM)
+
+    def configure_model(self):
+        if getattr(self, "first", None) is not None and self.net is None:
+            Regressor.configure_model(self)
+
+    def forward(self, x):
+        return super().forward(self.first(x) if getattr(self, "first", None) is not None else x)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+
+def _strategy_trainer(root, strategy, **kwargs):
+    return trainer(root, 1, 1, "32-true", devices=1, strategy=strategy, **kwargs)
+
+
+def test_a_module_built_in_init_is_sharded_where_it_is_and_tests_and_predicts_as_plain(one_rank, tmp_path):
+    plain, ours = Eager(), Eager()
+    train, val = loaders(PER_RANK, one_process=True)
+    trainer(tmp_path / "p", 1, 1, "32-true", devices=1).fit(plain, train, val)
+    strategy = ParamFSMStrategy()
+    fit = _strategy_trainer(tmp_path / "s", strategy)
+    fit.fit(ours, *loaders(PER_RANK))
+    assert strategy.runtime.model is ours and not any(p.is_meta for p in ours.parameters())
+    (want,) = trainer(tmp_path / "p", 1, 1, "32-true", devices=1).test(plain, val, verbose=False)
+    (got,) = fit.test(ours, val, verbose=False)
+    assert got["test_loss"] == pytest.approx(want["test_loss"], rel=1e-5)
+    predicted = torch.cat(fit.predict(ours, val))
+    with torch.no_grad():
+        expected = plain(torch.cat([x for x, _ in val]))
+    assert torch.allclose(predicted, expected, atol=1e-5)
+    strategy.runtime.close()
+
+
+def test_a_module_built_half_in_init_and_half_in_configure_model_is_refused(one_rank, tmp_path):
+    strategy = ParamFSMStrategy()
+    with pytest.raises(ParamFSMError) as caught:
+        _strategy_trainer(tmp_path, strategy).fit(Eager(half=True), *loaders(PER_RANK))
+    assert str(caught.value) == (
+        "ParamFSMStrategy (rank 0): 'gain' of Eager was built in configure_model (on the meta device) but "
+        "'first.weight' was built in __init__ (on cpu), so neither way of sharding fits both. What to do: build "
+        "every layer in configure_model, or every layer in __init__")
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-true", "16-true"])
+def test_precisions_that_would_diverge_are_refused_with_the_whole_fix(precision, tmp_path):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    strategy = ParamFSMStrategy()
+    if precision == "16-mixed":
+        setting = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+    else:
+        setting = {"precision": precision}
+    L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, default_root_dir=tmp_path, **setting)
+    with pytest.raises(ParamFSMError) as caught:
+        strategy._check_precision()
+    why = ("Lightning's GradScaler would decide on each rank alone whether to skip a step, so the shards would "
+           "diverge. " if precision == "16-mixed" else "It converts the module itself. ")
+    assert str(caught.value) == (
+        f"ParamFSMStrategy (rank 0): precision={precision!r} is not supported. {why}What to do: use "
+        "precision='bf16-mixed' or '32-true', or shard in low precision with "
+        "ParamFSMStrategy(shard_options={'param_dtype': torch.bfloat16})")
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_precisions_that_work_clip_by_the_global_norm(precision, tmp_path):
+    strategy = ParamFSMStrategy()
+    L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, default_root_dir=tmp_path,
+              precision=precision)
+    strategy._check_precision()
+    assert strategy.precision_plugin.clip_grad_by_norm == strategy._clip_grad_by_norm
+
+
+def test_the_strategy_is_one_process_per_device_over_the_whole_data(tmp_path):
+    strategy = ParamFSMStrategy(process_group_backend="gloo", shard_options={"prefetch": 2})
+    L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, default_root_dir=tmp_path)
+    assert ParamFSMStrategy.strategy_name == "paramfsm" and strategy.is_distributed
+    assert strategy.num_processes == 1 and strategy.num_nodes == 1
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+    assert strategy.root_device == torch.device("cpu") and strategy.shard_options == {"prefetch": 2}
+    assert strategy.runtime is None and strategy.restore_checkpoint_after_setup
+    assert not strategy.lightning_restore_optimizer
+    with pytest.raises(ParamFSMError) as caught:
+        ParamFSMStrategy(shard_options={"device": "cpu"})
+    assert str(caught.value) == ("ParamFSMStrategy(shard_options={'device': ...}): the strategy shards onto its own "
+                                 "device (Trainer(accelerator=..., devices=...)); drop 'device'")
+
+
+def test_checkpoints_it_cannot_write_or_read_are_refused(one_rank, tmp_path):
+    strategy = ParamFSMStrategy()
+    fit = _strategy_trainer(tmp_path, strategy)
+    fit.fit(Regressor(), *loaders(PER_RANK))
+    with pytest.raises(ParamFSMError, match=r"save_checkpoint\(storage_options=...\) is not supported"):
+        strategy.save_checkpoint({}, tmp_path / "ck", storage_options={})
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ParamFSMError) as caught:
+        strategy.load_checkpoint(tmp_path / "plain")
+    assert str(caught.value) == (f"ckpt_path='{tmp_path / 'plain'}' (rank 0) has no meta.pt: it was not saved by "
+                                 "ParamFSMStrategy. What to do: resume from a folder its save_checkpoint wrote")
+    strategy.optimizers = strategy.optimizers * 2
+    with pytest.raises(ParamFSMError, match=r"checkpoints one optimizer over the model; configure_optimizers "
+                                            r"returned 2 \(rank 0\)"):
+        fit.save_checkpoint(tmp_path / "two")
+    strategy.runtime.close()

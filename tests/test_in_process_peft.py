@@ -24,7 +24,7 @@ peft = pytest.importorskip("peft")
 from one_rank import one_rank  # noqa: E402,F401 - the fixture
 from paramfsm.integrations import peft as sharded_peft  # noqa: E402 - after the skips
 from test_integrations_peft import (  # noqa: E402 - the jobs both files run
-    PER_RANK, PROMPT, failed_write_job, lora_model, not_peft_job, sharded_job, train,
+    PER_RANK, PROMPT, base_model, failed_write_job, lora_model, not_peft_job, sharded_job, train,
 )
 
 ROWS = slice(0, PER_RANK)  # rank 0's rows of every global batch: what one rank trains on
@@ -89,4 +89,45 @@ def test_saving_to_a_fresh_folder_writes_what_plain_peft_writes(one_rank, tmp_pa
     rt = paramfsm.shard(model)
     sharded_peft.save_adapter(rt, str(tmp_path / "a" / "b"))
     assert sorted(os.listdir(tmp_path / "a" / "b")) == _plain()["files"]
+    rt.close()
+
+
+def test_the_refusals_say_what_to_do(one_rank, tmp_path):
+    rt = paramfsm.shard(base_model())
+    with pytest.raises(paramfsm.ParamFSMError) as caught:
+        sharded_peft.save_adapter(rt, tmp_path)
+    assert str(caught.value) == (
+        "save_adapter: the sharded LlamaForCausalLM is not a PEFT model (rank 0); shard the PeftModel "
+        "(paramfsm.shard(get_peft_model(base, config))), or save a plain model with save_pretrained(d, "
+        "state_dict=rt.full_state_dict(rank0_only=True))")
+    rt.close()
+    model = lora_model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    rt = paramfsm.shard(model)
+    with pytest.raises(paramfsm.ParamFSMError) as caught:
+        sharded_peft.save_adapter(rt, tmp_path)
+    assert str(caught.value) == (
+        "save_adapter: 'PeftModel' has no trainable parameter to save (rank 0); an adapter is saved "
+        "from its trainable parameters (was the model frozen after get_peft_model?)")
+    assert os.listdir(tmp_path) == []
+    rt.close()
+
+
+def test_peft_s_own_options_pass_through(one_rank, tmp_path):
+    model = lora_model()
+    rt = paramfsm.shard(model)
+    sharded_peft.save_adapter(rt, tmp_path / "bin", safe_serialization=False)
+    assert sorted(os.listdir(tmp_path / "bin")) == ["README.md", "adapter_config.json", "adapter_model.bin"]
+    rt.close()
+
+
+def test_the_trainable_state_dict_on_rank_0_is_on_the_cpu_and_skips_frozen_tensors(one_rank):
+    model = lora_model()
+    rt = paramfsm.shard(model)
+    full = sharded_peft.trainable_state_dict(rt, rank0_only=True)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert full and not set(full) & frozen
+    assert all(value.device.type == "cpu" for value in full.values())
+    assert all(torch.equal(full[name], rt.full_param(name)) for name in full)
     rt.close()
