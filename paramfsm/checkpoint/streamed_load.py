@@ -40,8 +40,10 @@ from paramfsm.sharding import meta
 
 
 def batches(rt, keys, optimizer) -> list[tuple[tuple, list[str]]]:
-    """The keys of ``keys`` grouped by unit, in unit order: ``[(records, keys), ...]``. Keys of no parameter
-    (buffers, the optimizer's hyperparameters) join the first batch; a parameter in no unit, the last."""
+    """The keys of ``keys`` grouped by unit, in unit order: ``[(records, keys), ...]``, units without a key
+    left out. Keys of no parameter (buffers, the optimizer's hyperparameters) join the first unit's batch.
+    Every parameter is in exactly one unit, and the root unit always exists
+    (:func:`paramfsm.engine.storage.units.build_units`)."""
     by_key = ck._records_by_key(rt)
     by_name = {rec.name: rec for rec in rt._by_id.values()}
     owner: dict[str, object] = {}
@@ -52,18 +54,11 @@ def batches(rt, keys, optimizer) -> list[tuple[tuple, list[str]]]:
             owner[key] = by_name.get(key[len(ck.OPTIM_PREFIX):].rpartition(".")[0]) if optimizer else None
         else:
             owner[key] = None
-    out, placed = [], set()
+    out = []
     for unit in rt.units:
         records = set(unit.records)
         out.append((unit.records, [key for key, rec in owner.items() if rec in records]))
-        placed |= records
-    rest = tuple({rec for rec in owner.values() if rec is not None and rec not in placed})
-    if rest:
-        out.append((rest, [key for key, rec in owner.items() if rec in set(rest)]))
-    loose = [key for key, rec in owner.items() if rec is None]
-    if not out:
-        out.append(((), []))
-    out[0] = (out[0][0], loose + out[0][1])
+    out[0] = (out[0][0], [key for key, rec in owner.items() if rec is None] + out[0][1])
     return [(records, keys) for records, keys in out if keys]
 
 
