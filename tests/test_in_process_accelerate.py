@@ -160,18 +160,29 @@ def test_two_optimizers_are_refused_by_save_state(tmp_path):
 
 @pytest.mark.parametrize("plugin", ["deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin"])
 def test_a_sharding_plugin_is_refused(plugin):
-    with pytest.raises(paramfsm.ParamFSMError, match=f"paramfsm's Accelerator takes no {plugin}: paramfsm shards "
-                                                     "the model itself"):
+    with pytest.raises(paramfsm.ParamFSMError) as caught:
         sharded.Accelerator(cpu=True, **{plugin: object()})
+    assert str(caught.value) == (f"paramfsm's Accelerator takes no {plugin}: paramfsm shards the model itself; drop "
+                                 "the plugin (or use accelerate.Accelerator with it, without paramfsm)")
+
+
+def test_fp16_is_refused_with_the_fix():
+    with pytest.raises(paramfsm.ParamFSMError) as caught:
+        sharded.Accelerator(cpu=True, mixed_precision="fp16")
+    assert str(caught.value) == (
+        "paramfsm's Accelerator: mixed_precision='fp16' scales the loss with Accelerate's GradScaler, which would "
+        "decide on each rank alone whether to skip a step (the shards would diverge); use mixed_precision='bf16', "
+        "or shard_options={'param_dtype': torch.bfloat16}")
 
 
 def test_shard_options_and_a_runtime_together_are_refused():
     with launched(0, 1):
         model = build()
         rt = paramfsm.shard(model, group="single")
-        with pytest.raises(paramfsm.ParamFSMError, match=r"pass shard_options= \(prepare shards the model\) or "
-                                                         r"runtime="):
+        with pytest.raises(paramfsm.ParamFSMError) as caught:
             sharded.Accelerator(cpu=True, runtime=rt, shard_options={"prefetch": 2})
+        assert str(caught.value) == ("paramfsm's Accelerator: pass shard_options= (prepare shards the model) or "
+                                     "runtime= (a model already sharded), not both")
         rt.close()
 
 
@@ -207,3 +218,34 @@ def test_without_a_sharded_model_it_is_plain_accelerate():
         with accelerator.no_sync(model):
             pass
         assert set(accelerator.get_state_dict(model)) == set(model.state_dict())
+
+
+def test_a_launch_that_accelerate_runs_alone_is_refused_word_for_word(monkeypatch):
+    from accelerate.state import AcceleratorState
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU, Accelerate joins the launched processes")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    AcceleratorState._reset_state(True)
+    try:
+        with pytest.raises(paramfsm.ParamFSMError) as caught:
+            sharded.Accelerator().prepare(build())
+    finally:
+        AcceleratorState._reset_state(True)
+    assert str(caught.value) == (
+        "this process is one of 2 (WORLD_SIZE), but Accelerate runs it alone (rank 1), so each would train its own "
+        "unsharded copy: without a GPU, pass Accelerator(cpu=True), which makes Accelerate join the processes "
+        "torchrun started")
+
+
+def test_skipping_batches_of_a_loader_it_did_not_prepare_numbers_them_too():
+    with launched(0, 1):
+        accelerator = sharded.Accelerator(cpu=True)
+        accelerator.prepare(build())
+        plain = torch.utils.data.DataLoader(data(1), batch_size=BATCH)
+        rest = accelerator.skip_first_batches(plain, 1)
+        assert isinstance(rest, sharded.SteppedLoader) and sum(1 for _ in rest) == len(plain) - 1
+        assert accelerator.trained_batches == len(plain) - 1
+        accelerator.runtime.close()

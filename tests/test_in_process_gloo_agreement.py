@@ -51,6 +51,7 @@ def test_a_cycle_that_repeats_is_announced_as_a_run_then_followed():
     assert mode == "header" and expected is None
     unit1 = (ag.GATHER, 1, hash(_swap()), 1, 10)
     assert header[5:7] == [1, hash((unit1,))]  # a run of one batch: unit 1's
+    assert len(header) == len(HEADER) and agreement.history[-1].header is header
     assert agreement.anchor() is anchor
     mode, expected, header = _place(agreement, 1, number=5)
     assert mode == "follow" and expected.key == unit1
@@ -100,6 +101,7 @@ def test_a_refusal_starts_a_new_epoch_once_with_no_history():
     assert agreement.epoch == 1 and agreement.history == [] and agreement.seen == {} and not agreement.run
     assert agreement.anchor is None
     assert agreement.observe(refused) is False and agreement.epoch == 1
+    assert agreement.observe(Refused(refused.rows, epoch=1, restart=9)) is True and agreement.epoch == 2
     assert (refused.epoch, refused.restart) == (0, 7)
     assert str(refused).startswith(f"paramfsm: the ranks' exchanges differ (headers {HEADER}: [[0, 0, 0")
 

@@ -197,3 +197,56 @@ def test_values_are_kept_per_group_and_none_stands_for_the_default_group():
     results, errors = on_ranks(2, job)
     assert errors == [None, None]
     assert results == [("world's", "none", rank, None, "nothing", True, True) for rank in range(2)]
+
+
+def test_a_unit_index_just_past_the_names_is_shown_by_number():
+    with pytest.raises(RankDesync) as caught:
+        rankcheck.check_encoded(_rows((1, 0, len(NAMES), 4), (1, 0, 0, 4)), 0, NAMES)
+    assert caught.value.unit == f"#{len(NAMES)}"
+
+
+def test_the_root_beside_a_module_still_names_the_module():
+    names = ("<root>", "model.layers.3.mlp")
+    with pytest.raises(RankDesync) as caught:
+        rankcheck.check_encoded(_rows((2, 1, 0, 8), (2, 1, 1, 8)), 0, names)
+    assert f"probably 'model.layers.3': paramfsm.shard(model, units={one_unit('model.layers.3')})" in str(caught.value)
+
+
+def test_full_tensors_alone_get_no_advice_about_units():
+    names = ("<full parameter 'w'>", "<full gradient 'w'>")
+    with pytest.raises(RankDesync) as caught:
+        rankcheck.check_encoded(_rows((2, 1, 0, 8), (2, 1, 1, 8)), 0, names)
+    assert str(caught.value).endswith("make branch decisions from values that are identical on all ranks.")
+
+
+def test_a_refused_exchange_that_names_no_unit_leaves_it_out_of_the_advice():
+    rows = torch.tensor([_header(0, rankcheck.GATHER, 1, 64, 0, 0, 0, 0, 0),
+                         _header(1, rankcheck.GATHER, 1, 400, 0, 9, 5, 2, 100)])
+    err = rankcheck.refused(rows, 1, NAMES, "all-gather", 5)
+    assert str(err).endswith(ADVICE_HEAD + "here the model itself, which holds 'layers.1': "
+                             "paramfsm.shard(model, units=[type(model)])")
+    assert "(after other collectives" not in err.detail
+
+
+def test_collectives_of_the_same_run_are_not_said_to_follow_others():
+    rows = torch.tensor([_header(1, rankcheck.GATHER, 1, 400, 2, 7, 2, 1, 100),
+                         _header(1, rankcheck.GATHER, 1, 400, 2, 8, 2, 2, 100)])
+    err = rankcheck.refused(rows, 0, NAMES, "all-gather", 2)
+    assert "after other collectives" not in err.detail and "exchange" not in err.detail
+
+
+def test_a_header_of_a_collective_it_does_not_know_names_it_as_the_caller_does():
+    results, errors = _headers(lambda rank: (3, 1, 2, 10), lambda rank: "broadcast" if rank == 0 else "all-gather", [])
+    assert all(isinstance(err, RankDesync) for err in errors), errors
+    assert errors[0].detail.startswith("ranks [0, 1] issued different collectives (rank 0: broadcast #3 for unit")
+    assert "rank 1: all-gather #3" in errors[0].detail
+
+
+def test_a_group_never_set_gives_the_default():
+    from paramfsm.engine.effects.groups import PerGroup
+
+    def job(rank):
+        return PerGroup().get(None, "key", default=rank + 10)
+
+    results, errors = on_ranks(2, job)
+    assert errors == [None, None] and results == [10, 11]

@@ -100,7 +100,7 @@ def test_disk_tier_round_trip_with_page_aligned_slots(tmp_path):
         assert tier.place("w", VALUES["w"], "p.w") is tier.slots["w"]
     finally:
         tier.close()
-    assert not tier.path.exists() and tier.slots == {}
+    assert not tier.path.exists() and tier.slots == {} and tier.fd == -1
     tier.close()  # a second close is harmless
 
 
@@ -175,8 +175,8 @@ def test_a_file_that_ends_early_fails_the_read(tmp_path, monkeypatch):
         with pytest.raises(OffloadError) as caught:
             tier.read(slot, torch.zeros(8), "opt.exp_avg")
         message = str(caught.value)
-        assert "could not read 32 bytes of 'opt.exp_avg' (rank 0)" in message
-        assert "the offload file ended early" in message
+        assert message.startswith(f"could not read 32 bytes of 'opt.exp_avg' (rank 0) in the offload file "
+                                  f"'{tier.path}': the offload file ended early. The working copy is kept")
         assert "What to do: check the folder and its disk (paramfsm.Offload(path=...) chooses another)." in message
     finally:
         monkeypatch.undo()
@@ -195,8 +195,8 @@ def test_a_full_disk_fails_at_placement_with_nothing_written(tmp_path, monkeypat
         with pytest.raises(OffloadError) as caught:
             tier.place("k", torch.ones(8), "emb.weight")
         message = str(caught.value)
-        assert message.startswith("could not reserve 32 bytes of 'emb.weight' (rank 0)")
-        assert "Nothing was written to it." in message
+        assert message.startswith(f"could not reserve 32 bytes of 'emb.weight' (rank 0) in the offload file "
+                                  f"'{tier.path}': {os.strerror(code)}. Nothing was written to it. What to do: ")
         assert ("free space there" in message) == full
         assert tier.slots == {} and tier.nbytes == 0
         with pytest.raises(OffloadError, match="could not reserve 4096 bytes of 'step'"):
@@ -212,7 +212,8 @@ def test_a_folder_that_cannot_be_created_names_the_value_and_the_fix(tmp_path):
     with pytest.raises(OffloadError) as caught:
         DiskTier(blocker / "sub", 2, "head.weight")
     message = str(caught.value)
-    assert message.startswith(f"cannot create the offload file for 'head.weight' (rank 2) in '{blocker / 'sub'}': ")
+    assert message.startswith(f"cannot create the offload file for 'head.weight' (rank 2) in '{blocker / 'sub'}': "
+                              "Not a directory. What to do:")
     assert "What to do: pass paramfsm.Offload(path=...) a folder this process can write" in message
 
 
@@ -223,6 +224,7 @@ def test_opening_a_folder_removes_files_runs_that_ended_left(tmp_path, caplog):
         tier = DiskTier(tmp_path, 0)
     try:
         assert not left.exists()
-        assert "rank 0 removed 1 offload file(s), 8192 bytes" in caplog.text
+        assert [r.getMessage() for r in caplog.records] == [
+            f"rank 0 removed 1 offload file(s), 8192 bytes, that runs which ended without closing left in {tmp_path}"]
     finally:
         tier.close()
