@@ -21,7 +21,7 @@ from paramfsm.errors import OffloadError
 
 VALUES = {
     "w": torch.arange(10, dtype=torch.float32) / 3,
-    "m": torch.tensor([1.5, -2.25, 3.0], dtype=torch.float64),
+    "m": torch.tensor([1 / 3, -2.25, 1e-300], dtype=torch.float64),  # not exact in float32
     "b": torch.arange(7, dtype=torch.bfloat16),
     "i": torch.arange(5000, dtype=torch.int16),
 }
