@@ -131,3 +131,19 @@ def test_the_trainable_state_dict_on_rank_0_is_on_the_cpu_and_skips_frozen_tenso
     assert all(value.device.type == "cpu" for value in full.values())
     assert all(torch.equal(full[name], rt.full_param(name)) for name in full)
     rt.close()
+
+
+def test_the_writer_logs_what_it_writes(one_rank, tmp_path, caplog):
+    rt = paramfsm.shard(lora_model())
+    with caplog.at_level("INFO", logger="paramfsm.integrations.peft"):
+        sharded_peft.save_adapter(rt, tmp_path / "a")
+    assert [r.getMessage() for r in caplog.records if r.name == "paramfsm.integrations.peft"] == [
+        f"writing 8 adapter tensors to {tmp_path / 'a'}"]
+    rt.close()
+
+
+def test_a_plain_module_is_refused_as_not_peft(one_rank, tmp_path):
+    rt = paramfsm.shard(torch.nn.Linear(4, 4))
+    with pytest.raises(paramfsm.ParamFSMError, match=r"save_adapter: the sharded Linear is not a PEFT model"):
+        sharded_peft.save_adapter(rt, tmp_path)
+    rt.close()
