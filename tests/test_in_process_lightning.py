@@ -174,8 +174,10 @@ def test_checkpoints_it_cannot_write_or_read_are_refused(one_rank, tmp_path):
     strategy = ParamFSMStrategy()
     fit = _strategy_trainer(tmp_path, strategy)
     fit.fit(Regressor(), *loaders(PER_RANK))
-    with pytest.raises(ParamFSMError, match=r"save_checkpoint\(storage_options=...\) is not supported"):
+    with pytest.raises(ParamFSMError) as refused:
         strategy.save_checkpoint({}, tmp_path / "ck", storage_options={})
+    assert str(refused.value) == ("ParamFSMStrategy.save_checkpoint(storage_options=...) is not supported: the shards "
+                                  "are written by paramfsm.checkpoint, not by a CheckpointIO")
     (tmp_path / "plain").mkdir()
     with pytest.raises(ParamFSMError) as caught:
         strategy.load_checkpoint(tmp_path / "plain")
@@ -186,3 +188,47 @@ def test_checkpoints_it_cannot_write_or_read_are_refused(one_rank, tmp_path):
                                             r"returned 2 \(rank 0\)"):
         fit.save_checkpoint(tmp_path / "two")
     strategy.runtime.close()
+
+
+def _named_steps(root, loader, accum, module=None):
+    """The steps a fit named on the forwards of its training batches (the trace's first fetch of each)."""
+    module = module if module is not None else Regressor()
+    strategy = ParamFSMStrategy(shard_options={"trace": True})
+    trainer(root, 1, accum, "32-true", devices=1, strategy=strategy).fit(module, loader)
+    named = []
+    for r in strategy.runtime.trace.records:
+        if r.graph_task == -1 and r.event == "fetch" and (not named or named[-1] != r.step):
+            named.append(r.step)
+    strategy.runtime.close()
+    return named
+
+
+def test_without_accumulation_every_batch_is_a_step(one_rank, tmp_path):
+    train, _ = loaders(PER_RANK)
+    assert _named_steps(tmp_path, train, 1) == list(range(STEPS))
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """Batches with no length: their place is the count of batches taken."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __iter__(self):
+        return iter(self.dataset)
+
+
+def test_a_loader_without_a_length_names_steps_by_the_batches_taken(one_rank, tmp_path):
+    train, _ = loaders(PER_RANK)
+    stream = torch.utils.data.DataLoader(Stream(train.dataset), batch_size=PER_RANK)
+    assert _named_steps(tmp_path, stream, 2) == list(range(STEPS // 2))
+
+
+def test_an_instance_forward_is_put_back_after_every_step(one_rank, tmp_path):
+    module = Regressor()
+    module.configure_model()
+    own = module.forward  # a bound method stored on the instance, as torch.compile(module.forward) would be
+    module.forward = own
+    train, _ = loaders(PER_RANK)
+    _named_steps(tmp_path, train, 1, module)
+    assert module.__dict__.get("forward") is own
