@@ -224,11 +224,17 @@ def test_a_loader_without_a_length_names_steps_by_the_batches_taken(one_rank, tm
     assert _named_steps(tmp_path, stream, 2) == list(range(STEPS // 2))
 
 
-def test_an_instance_forward_is_put_back_after_every_step(one_rank, tmp_path):
+def test_an_instance_forward_is_put_back_after_every_step_and_runs_inside_it(one_rank, tmp_path):
     module = Regressor()
     module.configure_model()
-    own = module.forward  # a bound method stored on the instance, as torch.compile(module.forward) would be
+    calls = []
+    plain = module.forward
+
+    def own(*args, **kwargs):  # stored on the instance, as torch.compile(module.forward) would be
+        calls.append(1)
+        return plain(*args, **kwargs)
     module.forward = own
     train, _ = loaders(PER_RANK)
     _named_steps(tmp_path, train, 1, module)
     assert module.__dict__.get("forward") is own
+    assert len(calls) == STEPS  # the step's self(x) ran the instance's forward
