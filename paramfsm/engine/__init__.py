@@ -33,7 +33,7 @@ to go to):
 6. Back: ``GradRouting.sync_kept`` calls ``Executor.finish_reduces`` at the end of the backward,
    and ``_reduce`` completes the oldest reduce-scatter when too many are in flight. Both go through
    ``_complete``, which splits each output into the parameters' shards. ``_accumulate_all`` then
-   adds each into ``shard.grad`` (``accumulate``).
+   adds each into ``shard.grad`` (``accumulate``, ``effects/shard_grads.py``).
 7. Under gradient offload the executor hands those shards back instead
    (``Executor.hand_back_reduced``). ``GradRouting`` and the ``sync_grad`` effect call
    ``Scheduler.hand_back`` after every executor call that can complete one, and

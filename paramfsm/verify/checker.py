@@ -32,9 +32,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from paramfsm.checkpoint.layout import ShardPieces
 from paramfsm.core.spec import State
 from paramfsm.verify import checks, loop_helpers, rank_loss, sync_checks, user_loops
 from paramfsm.verify.mirror import Mirror, loss_of, penalised  # noqa: F401 - re-exported for the runner
@@ -321,28 +319,9 @@ class Checker:
         """After a DCP save: every parameter's value holds exactly this rank's ``Shard(0)`` chunk of the
         flattened reference parameter (the chunk ``torch.chunk`` gives it: a flat DTensor's local tensor, or
         the range a model-shaped value's pieces cover), and buffers are the reference's."""
-        want = dict(self.mirror.model.state_dict())
         noise = checks.noise(self.mirror.params, self.noise_ref.params)  # plain torch's own, as for parameters
-        problems = []
-        for key, value in state_dict.items():
-            if not isinstance(value, (DTensor, ShardPieces)):
-                if checks.close(value, want[key], self.atol, self.rtol) is not None:
-                    problems.append(f"buffer '{key}' of the sharded state dict differs from the reference's")
-                continue
-            flat = want[key].detach().reshape(-1)
-            size = -(-flat.numel() // self.world)
-            chunk = flat[min(self.rank * size, flat.numel()):min((self.rank + 1) * size, flat.numel())]
-            local = value.flat if isinstance(value, ShardPieces) else value.to_local()
-            if isinstance(value, ShardPieces) and tuple(value.shape) != tuple(want[key].shape):
-                problems.append(f"'{key}': saved with shape {tuple(value.shape)}, the model's is "
-                                f"{tuple(want[key].shape)}")
-            elif local.shape != chunk.shape:
-                problems.append(f"'{key}': this rank's DTensor chunk has {local.numel()} elements, its Shard(0) "
-                                f"chunk of {flat.numel()} on {self.world} ranks has {chunk.numel()}")
-            elif checks.close(local, chunk, self.atol + checks.NOISE_FACTOR * noise.get(key, (0.0,))[0],
-                              self.rtol) is not None:
-                problems.append(f"'{key}': this rank's DTensor chunk differs from the reference's slice")
-        self._agreed("checkpoint", problems)
+        self._agreed("checkpoint", checks.sharded_problems(state_dict, dict(self.mirror.model.state_dict()), noise,
+                                                           self.rank, self.world, self.atol, self.rtol))
 
     def same(self, value) -> None:
         """After a loss, a unit's forward or an eval segment: ``value`` (this rank's) is plain torch's, tensor by

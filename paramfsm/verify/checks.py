@@ -20,7 +20,9 @@ from collections import Counter
 from typing import Callable, Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from paramfsm.checkpoint.layout import ShardPieces
 from paramfsm.core.replay import replay
 from paramfsm.core.spec import State
 from paramfsm.engine.storage.placeholder import storage
@@ -198,6 +200,32 @@ def close(got, want, atol: float, rtol: float) -> float | None:
     if torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol, equal_nan=True):
         return None
     return float((got.float() - want.float()).abs().nan_to_num(float("inf")).max().item())
+
+
+def sharded_problems(state_dict, want: Mapping, noise: Mapping, rank: int, world: int, atol: float,
+                     rtol: float) -> list[str]:
+    """What a sharded state dict of a DCP save holds wrong against the reference's ``want`` (its
+    ``state_dict()``): each parameter's value must be exactly this rank's ``Shard(0)`` chunk of the
+    flattened reference parameter (a flat DTensor's local tensor, or the range a model-shaped value's
+    pieces cover; ``noise``: plain torch's own, as for parameters), each buffer the reference's."""
+    problems = []
+    for key, value in state_dict.items():
+        if not isinstance(value, (DTensor, ShardPieces)):
+            if close(value, want[key], atol, rtol) is not None:
+                problems.append(f"buffer '{key}' of the sharded state dict differs from the reference's")
+            continue
+        flat = want[key].detach().reshape(-1)
+        size = -(-flat.numel() // world)
+        chunk = flat[min(rank * size, flat.numel()):min((rank + 1) * size, flat.numel())]
+        local = value.flat if isinstance(value, ShardPieces) else value.to_local()
+        if isinstance(value, ShardPieces) and tuple(value.shape) != tuple(want[key].shape):
+            problems.append(f"'{key}': saved with shape {tuple(value.shape)}, the model's is {tuple(want[key].shape)}")
+        elif local.shape != chunk.shape:
+            problems.append(f"'{key}': this rank's DTensor chunk has {local.numel()} elements, its Shard(0) "
+                            f"chunk of {flat.numel()} on {world} ranks has {chunk.numel()}")
+        elif close(local, chunk, atol + NOISE_FACTOR * noise.get(key, (0.0,))[0], rtol) is not None:
+            problems.append(f"'{key}': this rank's DTensor chunk differs from the reference's slice")
+    return problems
 
 
 def matches_reference(rt, ref_params: Mapping, ref_grads: Mapping, rank: int, world: int,

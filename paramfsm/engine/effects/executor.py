@@ -33,6 +33,7 @@ from paramfsm.engine.effects.collectives import DEFAULT_TIMEOUT_S, coalesced, re
 from paramfsm.engine.effects.gathers import PERSISTENT_BYTES, Gathers
 from paramfsm.engine.effects.grad_sync import UnsyncedGrads
 from paramfsm.engine.effects.inflight import Counters
+from paramfsm.engine.effects.shard_grads import accumulate
 from paramfsm.engine.effects.streams import REDUCE, HostStreams
 from paramfsm.engine.storage import placeholder
 from paramfsm.engine.storage.partitioned import real_grad, set_real_grad
@@ -384,19 +385,3 @@ class Executor(Gathers):
         # Not a view: a view keeps its base alive even once its data is swapped, so a shard gradient paged
         # out to its tier would still hold the whole reduce-scatter output.
         self.completions.extend((rec, piece.detach() if piece._is_view() else piece) for rec, piece in pieces)
-
-
-def accumulate(rec, flat_grad) -> None:
-    """Add a reduced gradient shard into ``shard.grad`` (created on first use).
-
-    ``flat_grad`` is referenced nowhere else (a piece of a fresh reduce-scatter
-    output, or a one-rank gradient taken from autograd), so it becomes
-    ``shard.grad`` as is, without a copy.
-    """
-    shard = rec.shard
-    if flat_grad.dtype != shard.dtype:
-        flat_grad = flat_grad.to(shard.dtype)
-    if shard.grad is None:
-        shard.grad = flat_grad
-    else:
-        shard.grad.add_(flat_grad)

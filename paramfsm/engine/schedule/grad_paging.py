@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import weakref
 
-from paramfsm.engine.effects.executor import accumulate as add_into_shard_grad
+from paramfsm.engine.effects.shard_grads import accumulate as add_into_shard_grad
 from paramfsm.engine.schedule.residency import Paged
 
 
