@@ -7,6 +7,9 @@ attributes, so tests and the command line read the facts instead of parsing mess
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from typing import Any, Sequence
 
 
@@ -194,3 +197,15 @@ class StaleOffloadCopy(ParamFSMError):
 class NotResident(ParamFSMError):
     """An offloaded value (a shard, an optimizer state tensor) was read while paged out and could not be
     paged in for the reader: names the parameter, what of it, the rank and what to do."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_at_caller(warning: Warning) -> None:
+    """Warn ``warning`` at the user's line: the first frame outside paramfsm, however many of paramfsm's own
+    calls stand between (a fixed ``stacklevel`` broke whenever a call moved, and under mutmut's trampolines)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(warning, stacklevel=level)

@@ -33,16 +33,13 @@ Hybrid sharding checks the shard group and the replicate group alike.
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
-import sys
-import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from paramfsm.errors import ModelMismatch
+from paramfsm.errors import ModelMismatch, warn_at_caller
 
 
 class RanksDiffer(UserWarning):
@@ -91,13 +88,13 @@ def agree(model: nn.Module, groups, device, *, sync_module_states: bool) -> None
             _raise_mismatch(rows, rank, world, group)
         if any(not torch.equal(g[2:], mine[2:]) for g in gathered) and not sync_module_states:
             differing = [r for r, g in enumerate(gathered) if not torch.equal(g[2:], gathered[0][2:])]
-            warnings.warn(RanksDiffer(
+            warn_at_caller(RanksDiffer(
                 f"paramfsm.shard: the ranks hold the same model with different values (ranks {differing} differ "
                 "from rank 0), so each rank would keep its slice of its own values and the model trained "
                 "would be stitched together from several. What to do: seed every rank alike before "
                 "building the model (torch.manual_seed(seed), the same seed everywhere), or pass "
                 "paramfsm.shard(model, sync_module_states=True) to start from rank 0's values; if you load "
-                "weights afterwards (rt.load_full_state_dict), ignore this warning."), stacklevel=_caller_level())
+                "weights afterwards (rt.load_full_state_dict), ignore this warning."))
     if sync_module_states:  # only once the structures agree: different models would pair different broadcasts
         for group in groups:
             broadcast_states(model, group)
@@ -144,13 +141,3 @@ def first_difference(mine: list[tuple], theirs: list[tuple]) -> str:
         return (f"{len(mine)} parameters here and {len(theirs)} there; the first extra one, '{extra}', "
                 f"exists only {here}")
     return "their descriptions differ"
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside paramfsm: the line that called ``paramfsm.shard``, however
-    many of paramfsm's own calls stand between (a fixed count broke when the assembly moved)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level

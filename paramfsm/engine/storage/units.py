@@ -14,7 +14,6 @@ Nothing is set on the user's ``nn.Parameter`` objects except ``.data``.
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 from paramfsm.core.fsm import Lifetime
 from paramfsm.engine.storage import default_units
 from paramfsm.engine.storage.default_units import ROOT_REASON, choose
-from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError
+from paramfsm.errors import ArgumentError, ArgumentTypeError, ParamFSMError, warn_at_caller
 
 
 class ParamRecord(Lifetime):
@@ -249,9 +248,9 @@ def _check_matched(model: nn.Module, named, entries: tuple, matched: list[set[st
             f"parameters: {', '.join(present) or 'none'}), modules of this model itself, or a predicate "
             "(qualified_name, module) -> bool; units=None keeps the default units")
     for entry in unmatched:
-        warnings.warn(UnmatchedUnits(
+        warn_at_caller(UnmatchedUnits(
             f"units=: {_no_match(entry)}, so that entry has no effect and the other entries choose the units. "
-            "What to do: remove it, or name a class the model contains or one of its own modules"), stacklevel=5)
+            "What to do: remove it, or name a class the model contains or one of its own modules"))
 
 
 def _no_match(entry) -> str:
