@@ -11,7 +11,6 @@ what to do.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch
@@ -24,29 +23,16 @@ peft = pytest.importorskip("peft")
 from one_rank import one_rank  # noqa: E402,F401 - the fixture
 from paramfsm.integrations import peft as sharded_peft  # noqa: E402 - after the skips
 from test_integrations_peft import (  # noqa: E402 - the jobs both files run
-    PER_RANK, PROMPT, base_model, failed_write_job, lora_model, not_peft_job, sharded_job, train,
+    PER_RANK, PROMPT, base_model, failed_write_job, lora_model, not_peft_job, plain_job, sharded_job, train,
 )
 
 ROWS = slice(0, PER_RANK)  # rank 0's rows of every global batch: what one rank trains on
 
 
-def _plain(modules_to_save=None):
-    model = lora_model(modules_to_save)
-    train(model, ROWS)
-    model.eval()
-    with torch.no_grad():
-        logits = model(PROMPT).logits
-    with tempfile.TemporaryDirectory() as out:
-        model.save_pretrained(out)
-        files = sorted(os.listdir(out))
-    return {"logits": logits, "files": files,
-            "trainable": sorted(name for name, p in model.named_parameters() if p.requires_grad)}
-
-
 @pytest.mark.parametrize("modules_to_save, fallback", [(None, False), (["lm_head"], False), (["lm_head"], True)],
                          ids=["lora", "modules_to_save", "full_state_dict"])
 def test_the_adapter_saved_from_shards_reloads_into_plain_peft(one_rank, modules_to_save, fallback):
-    ours, plain = sharded_job(0, 1, modules_to_save, fallback), _plain(modules_to_save)
+    ours, plain = sharded_job(0, 1, modules_to_save, fallback), plain_job(0, 1, modules_to_save, ROWS)
     untrained = lora_model(modules_to_save).eval()
     with torch.no_grad():
         assert (plain["logits"] - untrained(PROMPT).logits).abs().max() > 1e-2, "training must move the logits"
@@ -88,7 +74,7 @@ def test_saving_to_a_fresh_folder_writes_what_plain_peft_writes(one_rank, tmp_pa
     model = lora_model()
     rt = paramfsm.shard(model)
     sharded_peft.save_adapter(rt, str(tmp_path / "a" / "b"))
-    assert sorted(os.listdir(tmp_path / "a" / "b")) == _plain()["files"]
+    assert sorted(os.listdir(tmp_path / "a" / "b")) == plain_job(0, 1, None, ROWS)["files"]
     rt.close()
 
 

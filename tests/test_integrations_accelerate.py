@@ -22,7 +22,6 @@ import pytest
 import torch
 from torch import nn
 
-import paramfsm
 from paramfsm.errors import RankDesync
 
 accelerate = pytest.importorskip("accelerate")
@@ -237,28 +236,3 @@ def test_a_rank_skipping_a_batch_raises_rank_desync(ranks2):
     for rank, (err_rank, step, message) in enumerate(results):
         assert err_rank == rank and step == (1 if rank == 0 else 2), message
         assert "at step 1" in message and "at step 2" in message, message
-
-
-def test_what_the_accelerator_refuses():
-    with pytest.raises(paramfsm.ParamFSMError, match="bf16"):
-        sharded.Accelerator(cpu=True, mixed_precision="fp16")
-    with pytest.raises(paramfsm.ParamFSMError, match="fsdp_plugin"):
-        sharded.Accelerator(cpu=True, fsdp_plugin=object())
-
-
-def test_a_launch_accelerate_runs_alone_is_refused(monkeypatch):
-    """torchrun started 2 processes, but without ``cpu=True`` on a CPU machine Accelerate runs each alone."""
-    from accelerate.state import AcceleratorState
-
-    if torch.cuda.is_available():
-        pytest.skip("with a GPU, Accelerate joins the launched processes")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    AcceleratorState._reset_state(True)
-    try:
-        accelerator = sharded.Accelerator()
-        with pytest.raises(paramfsm.ParamFSMError, match=r"one of 2 .*rank 1.*cpu=True"):
-            accelerator.prepare(build())
-    finally:
-        AcceleratorState._reset_state(True)

@@ -90,9 +90,10 @@ def sharded_job(rank, world, modules_to_save=None, fallback=False):
             "trainable": sorted(trainable)}
 
 
-def plain_job(rank, world, modules_to_save=None):
+def plain_job(rank, world, modules_to_save=None, rows=slice(None)):
+    """Plain PEFT in one process, on ``rows`` of every global batch (all of them: the global batch)."""
     model = lora_model(modules_to_save)
-    train(model, slice(None))
+    train(model, rows)
     model.eval()
     with torch.no_grad():
         logits = model(PROMPT).logits
