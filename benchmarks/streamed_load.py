@@ -22,14 +22,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from memory import _status_kib  # noqa: E402 - the benchmarks' reader of /proc/self/status
 
 
 def _rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """This process's anonymous resident bytes."""
+    return _status_kib("RssAnon") * 1024
 
 
 def load_job(rank, world, folder: str, units: int, width: int, budget_mib):
