@@ -9,13 +9,24 @@ after every parameter changed, both with every parameter in the param groups. An
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 import paramfsm
+from paramfsm.optim import offload_step
 from paramfsm.testing.models import mlp
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
 
 STEPS = 3
 
@@ -117,3 +128,33 @@ def test_zero_grad_without_set_to_none_under_a_bounded_tier_trains_like_plain_to
     for rank, full in enumerate(ranks2.run(zero_grad_job, str(tmp_path), offload, False)):
         for name, value in plain.items():
             torch.testing.assert_close(full[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def test_a_unit_s_step_on_one_thread_lets_no_other_thread_s_step_through():
+    """Whether a unit's step is running belongs to the thread running it: a step another thread calls
+    meanwhile (another rank's, where ranks are threads of one process) is that user's own, and paramfsm's
+    pre-hook must take it as one; read process-wide, it let the other rank's step through unsharded and the
+    ranks stopped in different collectives."""
+    entered, leave = threading.Event(), threading.Event()
+
+    class Held(torch.optim.SGD):
+        def step(self, closure=None):
+            entered.set()
+            leave.wait(timeout=10)
+            return super().step(closure)
+
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = Held([param], lr=0.1)
+    unit = threading.Thread(target=offload_step._step_only, args=(opt, [[param]], {id(param)}))
+    unit.start()
+    try:
+        assert entered.wait(timeout=10)
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(offload_step.inner()))
+        other.start()
+        other.join(timeout=10)
+    finally:
+        leave.set()
+        unit.join(timeout=10)
+    assert seen == [False]
+    assert not offload_step.inner()

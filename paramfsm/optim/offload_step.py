@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from collections import OrderedDict
 
@@ -47,12 +48,22 @@ from paramfsm.sharding.offload import optimizer_placement
 _EMPTIED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: optimizer -> the id of paramfsm's restoring post-hook among the optimizer's own post-hooks.
 _RESTORERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_inner = [False]  # a unit's step is running: the hooks let it through
+
+
+class _Running(threading.local):
+    """Whether a unit's step is running (the hooks let it through), per thread: the flag belongs to the call
+    that set it, and a step another thread runs meanwhile (another rank's, in tests that run ranks as threads)
+    is the user's own."""
+
+    unit = False
+
+
+_inner = _Running()
 
 
 def inner() -> bool:
     """Whether the optimizer step now running is one unit's (the pre-hook lets it through)."""
-    return _inner[0]
+    return _inner.unit
 
 
 def offloading(writers) -> list:
@@ -186,15 +197,15 @@ def _step_only(optimizer, saved, ids: set) -> None:
     for group, params in zip(optimizer.param_groups, saved):
         group["params"] = [p for p in params if id(p) in ids]
     step = step_space.bare_step(optimizer)
-    _inner[0] = True
+    _inner.unit = True
     try:
         step()
     finally:
-        _inner[0] = False
+        _inner.unit = False
 
 
 def _restore(optimizer, args, kwargs) -> None:
-    if _inner[0]:
+    if _inner.unit:
         return
     held = _EMPTIED.pop(optimizer, None)
     if held is not None:
