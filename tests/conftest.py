@@ -38,6 +38,15 @@ def ranks2(suite_ranks2):
 
 
 @pytest.fixture(scope="session")
+def in_process2():
+    """Two gloo ranks that are threads of the test process (``gloo_ranks.py``): the same ``run`` as a pool,
+    where ``make mutate`` sees what the ranks run. A test module opts in by overriding ``ranks2`` with it."""
+    from gloo_ranks import InProcessRanks
+
+    return InProcessRanks(2)
+
+
+@pytest.fixture(scope="session")
 def ranks3():
     """Three gloo ranks on 127.0.0.1."""
     with RankPool(3, timeout=180, environ=SUITE_ENVIRON) as pool:

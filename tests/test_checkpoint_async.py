@@ -11,6 +11,7 @@ import errno
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 import paramfsm
@@ -18,6 +19,13 @@ import paramfsm.checkpoint as ck
 from paramfsm.checkpoint import folders
 from paramfsm.errors import ParamFSMError
 from paramfsm.testing.models import mlp
+
+
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
 
 
 def _setup():
@@ -126,9 +134,10 @@ def failing_job(rank, world, folder):
     return out
 
 
-def test_an_async_save_that_fails_raises_at_wait_and_else_at_the_next_save(ranks2, tmp_path):
+# Spawned ranks: each rank patches the process's checkpoint writer its own way.
+def test_an_async_save_that_fails_raises_at_wait_and_else_at_the_next_save(suite_ranks2, tmp_path):
     path = tmp_path / "ck"
-    for out in ranks2.run(failing_job, str(tmp_path)):
+    for out in suite_ranks2.run(failing_job, str(tmp_path)):
         first, again = out["wait"]
         assert first is not None and first == again, out["wait"]
         assert first.startswith(f"paramfsm.checkpoint.save to '{path}' failed: rank 1: OSError: No space left on "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -18,6 +19,13 @@ import paramfsm
 import paramfsm.checkpoint as ck
 from paramfsm.checkpoint import folders
 from paramfsm.errors import ParamFSMError
+
+
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
 
 
 def _net(shape_of_first=(8, 4), seed=0) -> nn.Module:
@@ -102,8 +110,9 @@ def disk_full_job(rank, world, folder):
     return error, listing, all(torch.equal(kept[k], loaded[k]) for k in kept)
 
 
-def test_a_full_disk_during_a_save_raises_on_every_rank_and_keeps_the_previous_checkpoint(ranks2, tmp_path):
-    for error, listing, kept in ranks2.run(disk_full_job, str(tmp_path)):
+# Spawned ranks: each rank patches the process's checkpoint writer its own way.
+def test_a_full_disk_during_a_save_raises_on_every_rank_and_keeps_the_previous_checkpoint(suite_ranks2, tmp_path):
+    for error, listing, kept in suite_ranks2.run(disk_full_job, str(tmp_path)):
         assert error is not None, "the failed save raised nothing"
         assert error.startswith(f"paramfsm.checkpoint.save to '{tmp_path / 'ck'}' failed: rank 1: OSError: No "
                                 "space left on device"), error

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 import hypothesis.strategies as st
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -26,6 +27,13 @@ import paramfsm
 import paramfsm.checkpoint as ck
 from paramfsm.checkpoint.layout import ShardPieces, boxes
 from paramfsm.errors import ParamFSMError
+
+
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
 
 
 @settings(max_examples=300, deadline=None)

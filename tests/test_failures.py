@@ -21,6 +21,14 @@ import paramfsm
 from paramfsm import NotGathered, RankDesync, State
 from paramfsm.testing.models import TinyTransformer, mlp
 
+
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
+
 VOCAB, SEQ = 32, 8
 
 
@@ -105,10 +113,11 @@ def cross_unit_job(rank, world):
     return torch.allclose(got, want), [str(w.message) for w in caught], outside
 
 
-def test_another_units_parameter_inside_forward(ranks2):
+# Spawned ranks: the job records warnings, and warnings.catch_warnings is the process's.
+def test_another_units_parameter_inside_forward(suite_ranks2):
     """Read inside the root's forward, the embedding's weight is gathered on demand, with a warning that
     names it and the units= to pass; read outside any forward it is still NotGathered, naming it."""
-    same, told, outside = ranks2.run(cross_unit_job)[0]
+    same, told, outside = suite_ranks2.run(cross_unit_job)[0]
     assert same
     assert len(told) == 1 and "'embed.weight'" in told[0] and "units=" in told[0], told
     assert "'embed.weight'" in outside and "not gathered" in outside, outside

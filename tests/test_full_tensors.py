@@ -16,6 +16,13 @@ import paramfsm
 from paramfsm import RankDesync, State
 
 
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
+
 def _linear():
     """One unit with one parameter: its forward bucket has exactly the size of its full-tensor gather."""
     torch.manual_seed(0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import pytest
 import torch
@@ -19,6 +20,14 @@ from paramfsm.errors import ArgumentError, OffloadError
 from paramfsm.testing.models import mlp
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
 
 STEPS = 3
 
@@ -202,16 +211,30 @@ def test_a_meta_model_initialised_under_offload_trains_like_plain_torch(ranks2, 
             torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6)
 
 
+_full_disk = {"in": 0, "real": None}
+_full_disk_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def disk_full():
-    """Every reservation of disk space fails as on a full disk (ENOSPC)."""
+    """Every reservation of disk space fails as on a full disk (ENOSPC).
+
+    Ranks that are threads of one process (``gloo_ranks.py``) share the patch: the first in puts it in,
+    the last out takes it out (each restoring what it found would leave it in when they interleave).
+    """
     def no_space(fd, offset, length):
         raise OSError(28, "No space left on device")
-    os.posix_fallocate, real = no_space, os.posix_fallocate
+    with _full_disk_lock:
+        if _full_disk["in"] == 0:
+            _full_disk["real"], os.posix_fallocate = os.posix_fallocate, no_space
+        _full_disk["in"] += 1
     try:
         yield
     finally:
-        os.posix_fallocate = real
+        with _full_disk_lock:
+            _full_disk["in"] -= 1
+            if _full_disk["in"] == 0:
+                os.posix_fallocate = _full_disk["real"]
 
 
 def bad_input_job(rank, world, folder, case):

@@ -19,6 +19,13 @@ from test_offload import STEPS, _batch, _model, disk_full
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
+
 def _loop(model, opt, rt, rank, world, *, passes, set_to_none, probe):
     """STEPS steps of ``passes`` synced backward passes each (gradients add up in the shard gradients)."""
     seen = []

@@ -18,6 +18,14 @@ import paramfsm
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
+
 PLACEMENTS = {"optimizer": dict(optimizer="disk"), "params and optimizer": dict(params="disk", optimizer="disk"),
               "everything on cpu": dict(params="cpu", grads="cpu", optimizer="cpu")}
 

@@ -23,6 +23,14 @@ from paramfsm.testing.models import mlp
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
+
 WIDTH, DEPTH = 32, 6
 
 
@@ -275,10 +283,11 @@ def failing_load_job(rank, world, folder, fail_at):
     return error, refused, after, again, saved, changed, units, calls[0]
 
 
+# Spawned ranks: each rank patches the process's checkpoint reader its own way.
 @pytest.mark.parametrize("fail_at", [1, 3], ids=["first-unit", "part-way"])
-def test_a_streamed_load_that_fails_part_way_refuses_the_forward_until_a_load_completes(ranks2, tmp_path,
+def test_a_streamed_load_that_fails_part_way_refuses_the_forward_until_a_load_completes(suite_ranks2, tmp_path,
                                                                                       fail_at):
-    for error, refused, after, again, saved, changed, units, calls in ranks2.run(failing_load_job, str(tmp_path),
+    for error, refused, after, again, saved, changed, units, calls in suite_ranks2.run(failing_load_job, str(tmp_path),
                                                                                  fail_at):
         assert units > 3 and calls >= fail_at
         assert error is not None and "rank 1" in error and "Input/output error" in error, error
@@ -315,8 +324,9 @@ def buffers_job(rank, world, folder):
     return saved, loaded
 
 
-def test_a_streamed_load_restores_buffers_with_the_parameters(ranks2, tmp_path):
-    for saved, loaded in ranks2.run(buffers_job, str(tmp_path)):
+# Spawned ranks: the ranks draw their batches from the global generator after sharding.
+def test_a_streamed_load_restores_buffers_with_the_parameters(suite_ranks2, tmp_path):
+    for saved, loaded in suite_ranks2.run(buffers_job, str(tmp_path)):
         assert "1.running_mean" in saved
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), key

@@ -29,6 +29,13 @@ from paramfsm.testing import Reference, assert_close_dicts, global_batch, rank_s
 from paramfsm.verify.reproduction import run_saved
 
 
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
+
 class Heads(nn.Module):
     """A body and two output heads of different sizes, both run forward."""
 

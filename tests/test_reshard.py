@@ -12,6 +12,14 @@ import paramfsm
 from paramfsm import State
 from paramfsm.testing.models import mlp
 
+
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
+
 POLICIES = {
     "reshard": True,
     "keep": False,

@@ -18,6 +18,14 @@ from paramfsm.engine.schedule.audit import LeakError
 from paramfsm.testing import Reference, assert_close_dicts, rank_slice, sharded_grads, sharded_params
 from paramfsm.testing.models import TinyTransformer
 
+
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
+
 VOCAB, SEQ = 32, 8
 
 
@@ -93,9 +101,10 @@ def odd_sizes_job(rank, world):
     return report
 
 
+# Spawned ranks: the ranks draw values from the global generator after sharding.
 @pytest.mark.parametrize("world", [2, 3])
-def test_odd_sizes_padding_state_dicts_and_clipping(ranks2, ranks3, world):
-    reports = (ranks2 if world == 2 else ranks3).run(odd_sizes_job)
+def test_odd_sizes_padding_state_dicts_and_clipping(suite_ranks2, ranks3, world):
+    reports = (suite_ranks2 if world == 2 else ranks3).run(odd_sizes_job)
     for report in reports:
         assert report["grad_err"] < 1e-6 and report["param_err"] < 1e-6
         assert report["load_err"] == 0.0 and report["round_trip_err"] == 0.0

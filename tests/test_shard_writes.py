@@ -18,6 +18,14 @@ import paramfsm
 from paramfsm import IllegalTransition, ModelChanged, NotGathered, ParamFSMError, State
 from paramfsm.testing import assert_close_dicts, rank_slice, sharded_params
 
+
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
+
 PER_RANK = 2
 
 

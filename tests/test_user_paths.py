@@ -29,6 +29,13 @@ from paramfsm.testing.models import mlp
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
+
 def _model():
     torch.manual_seed(0)
     return mlp(width=16, depth=4, d_in=8, d_out=4)
