@@ -69,11 +69,11 @@ class _Stop:
         raise SystemExit
 
 
-def on_gloo_ranks(world: int, job, timeout_s: float = 60.0):
+def on_gloo_ranks(world: int, job, timeout_s: float = 60.0, turns: bool = False):
     """``job(rank)`` on ``world`` gloo ranks, one thread each in this process: (results, errors).
 
-    Every rank's group is destroyed when its job ends, whether it returned or raised. The ranks take
-    turns until they call ``paramfsm.shard`` ([Note: the ranks take turns until they shard]).
+    Every rank's group is destroyed when its job ends, whether it returned or raised. With ``turns`` the
+    ranks take turns until they call ``paramfsm.shard`` ([Note: the ranks take turns until they shard]).
     """
     results, errors = [None] * world, [None] * world
     store = dist.HashStore()
@@ -82,7 +82,7 @@ def on_gloo_ranks(world: int, job, timeout_s: float = 60.0):
 
     def body(rank):
         dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
-        _local.lock = turn
+        _local.lock = turn if turns else None
         _take_turn()
         try:
             results[rank] = job(rank)
@@ -199,7 +199,7 @@ class InProcessRanks:
 
     def run(self, fn, *args, timeout: float | None = None) -> list:
         results, errors = on_gloo_ranks(self.world, lambda rank: fn(rank, self.world, *args),
-                                        timeout or self.timeout)
+                                        timeout or self.timeout, turns=True)
         for rank, error in enumerate(errors):
             if error is not None:
                 detail = "".join(traceback.format_exception(error))
