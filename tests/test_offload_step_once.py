@@ -158,3 +158,28 @@ def test_a_unit_s_step_on_one_thread_lets_no_other_thread_s_step_through():
         unit.join(timeout=10)
     assert seen == [False]
     assert not offload_step.inner()
+
+
+def test_a_parent_s_step_inside_the_user_s_is_told_apart_through_frames_in_between():
+    """``within_step`` finds torch's hook wrapper on the stack wherever it is: reached through a frame more
+    than paramfsm's own pre-hook (a decorator, a tracing tool), a parent's step inside the user's must still
+    pass through, not count as a new step that steps every unit again."""
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)  # torch now wraps SGD.step with its hooks
+
+    class Logged(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    opt = Logged([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    seen = []
+
+    def through_a_frame():
+        return offload_step.within_step(opt)
+
+    opt.register_step_pre_hook(lambda optimizer, args, kwargs: seen.append(through_a_frame()))
+    offload_step._EMPTIED[opt] = ([], {})  # as after paramfsm stepped the units of the user's step
+    try:
+        opt.step()
+    finally:
+        offload_step._EMPTIED.pop(opt, None)
+    assert seen == [False, True]  # the user's own step, then the parent's inside it

@@ -38,6 +38,8 @@ import threading
 import weakref
 from collections import OrderedDict
 
+import torch
+
 from paramfsm.optim import step_space, whole_params
 from paramfsm.sharding import rank_errors
 from paramfsm.errors import OffloadError
@@ -233,14 +235,31 @@ def within_step(optimizer) -> bool:
     passed alone and failed after any test that built a plain SGD). The call
     is told apart by the function torch's wrapper is running: the user's step
     is the optimizer's own class's; any other is a parent's, inside it, and
-    passes through (over the emptied groups it steps nothing).
+    passes through (over the emptied groups it steps nothing). The wrapper is
+    the nearest frame of torch's that runs a step as ``func``, found by walking
+    up from here rather than at a fixed depth: a frame added in between (a
+    decorator on the pre-hook, a tracing tool) must not turn a parent's step
+    into a new one, which would step every unit twice.
     """
     if optimizer not in _EMPTIED:
         return False
-    frame = sys._getframe(2)  # this function's caller is the pre-hook; the pre-hook's, torch's hook wrapper
-    running = frame.f_locals.get("func") if frame is not None else None
+    running = _hooked_step()
     own = type(optimizer).step
     return running is not None and running is not getattr(own, "__wrapped__", own)
+
+
+def _hooked_step():
+    """The step function torch's hook-running wrapper (``Optimizer.profile_hook_step``) is running on this
+    thread's stack, nearest first, or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _WRAPPER_CODE:
+            return frame.f_locals.get("func")
+        frame = frame.f_back
+    return None
+
+
+_WRAPPER_CODE = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
 
 
 def restore_if_left(optimizer) -> None:
