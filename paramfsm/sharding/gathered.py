@@ -27,7 +27,9 @@ the block ends, on every rank:
 ``p.grad`` inside the block stays this rank's shard gradient, as outside it
 (see :mod:`paramfsm.engine.storage.partitioned`): zeroing and clamping reach it,
 reading it as a full gradient raises ``NotGathered``, and assigning a full-size
-gradient raises. ``writeback=False`` is the read-only block, at no cost.
+gradient raises. ``writeback=False`` is the read-only block, at no cost beyond
+the gather (at world 1, where a parameter is a view of its shard, one copy of
+the chosen shards: [Note: a block at world 1 writes nothing it should not]).
 """
 
 from __future__ import annotations
@@ -59,20 +61,52 @@ def gathered(rt, modules, writeback: bool = True):
             rt.scheduler.hold(unit)
             held.append(unit)
         before = _snapshot(chosen) if writeback else None
+        kept = _shard_copies(rt, chosen)
         try:
             yield
         except Exception:
             if writeback:  # the others are about to agree their write-back: they learn of this error there
                 _write_back(rt, before, raised=True)
+            _put_back(kept)
             raise
-        if writeback:
-            _write_back(rt, before)
+        try:
+            if writeback:
+                _write_back(rt, before)
+        except Exception:
+            _put_back(kept)
+            raise
+        if not writeback:
+            _put_back(kept)
     finally:
         # A read-only block, or one that raised before its write-back, drops what it wrote, as documented:
         # not a lost write ([Note: a write to a gathered parameter] in paramfsm.engine.effects.lost_writes).
         acknowledge(rec for unit in held for rec in unit.records)
         for unit in reversed(held):
             rt.scheduler.unhold(unit)
+
+
+# [Note: a block at world 1 writes nothing it should not]
+# At world 1 a gathered parameter is a view of its shard (nothing to gather: see Gathers._local_full), so an
+# in-place write inside the block lands in the shard at once. A read-only block, a block that raised and a
+# write-back refused must still leave the shards as they were, as at any other world size. So at world 1
+# the block starts with a copy of the chosen units' shards and puts it back in those three cases: one copy
+# of the chosen parameters, what their gather would hold at world 2.
+def _shard_copies(rt, units) -> list:
+    """At world 1 (the parameters are views of their shards), each chosen shard with a copy of its values."""
+    if not rt.executor.local:
+        return []
+    seen = {}
+    for unit in units:
+        for rec in unit.records:
+            if rec not in seen and rec.shard.dtype == rec.compute_dtype:  # else the view is a cast copy
+                seen[rec] = rec.shard.detach().clone()
+    return list(seen.items())
+
+
+def _put_back(kept) -> None:
+    with torch.no_grad():
+        for rec, values in kept:
+            rec.shard.detach().copy_(values)
 
 
 def _snapshot(units) -> dict:
