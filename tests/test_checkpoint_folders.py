@@ -5,8 +5,10 @@ Run in the test process (world 1), so they are quick and ``make mutate`` sees th
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -234,3 +236,49 @@ def test_extra_files_are_checked_before_anything_is_written(rt, tmp_path, files,
     with pytest.raises(error, match="extra_files"):
         ck.save(rt, tmp_path / "ck", extra_files=files)
     assert not os.listdir(tmp_path)
+
+
+def test_the_manifest_names_the_format_world_optimizer_layout_and_shapes(rt, tmp_path):
+    before = time.time_ns()
+    ck.save(rt, tmp_path / "ck", optimizer=torch.optim.SGD(rt.model.parameters(), lr=0.1))
+    manifest = json.loads((tmp_path / "ck" / folders.MANIFEST).read_text())
+    assert before <= manifest.pop("saved_ns") <= time.time_ns()
+    shapes = {name: list(p.shape) for name, p in mlp(width=8, depth=2, d_in=4, d_out=3).named_parameters()}
+    assert manifest == {"format": "paramfsm-checkpoint", "version": 1, "world": 1, "optimizer": True,
+                        "layout": "model", "shapes": shapes}
+    assert folders.read_manifest(tmp_path / "ck")["shapes"] == shapes
+
+
+def test_two_folders_swap_in_one_step_where_the_system_can(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "from-a").write_text("a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "from-b").write_text("b")
+    assert folders._exchange(tmp_path / "a", tmp_path / "b") is True
+    assert os.listdir(tmp_path / "a") == ["from-b"] and os.listdir(tmp_path / "b") == ["from-a"]
+    with pytest.raises(FileNotFoundError) as missing:
+        folders._exchange(tmp_path / "a", tmp_path / "nowhere")
+    assert (missing.value.errno, missing.value.strerror, missing.value.filename) == (
+        2, os.strerror(2), str(tmp_path / "nowhere"))
+    monkeypatch.setattr(folders, "use_exchange", False)
+    assert folders._exchange(tmp_path / "a", tmp_path / "b") is False
+    assert os.listdir(tmp_path / "a") == ["from-b"]  # nothing moved
+
+
+def test_a_save_clears_what_earlier_saves_left_and_makes_missing_parents(rt, tmp_path):
+    path = tmp_path / "runs" / "deep" / "ck"
+    ck.save(rt, path)  # the parents are made
+    left = [path.parent / f".ck.{kind}-old" for kind in ("staging", "removed", "retired")]
+    for folder in left:
+        folder.mkdir()
+        (folder / "junk").write_text("x")
+    ck.save(rt, path)
+    assert sorted(os.listdir(path.parent)) == ["ck"], "a leftover of an unfinished save survived the next save"
+
+
+def test_a_retired_checkpoint_is_kept_while_no_checkpoint_replaces_it(rt, tmp_path):
+    """With no ``ck``, ``.ck.retired-*`` is the checkpoint a crash moved aside: it is put back, never removed."""
+    ck.save(rt, tmp_path / "ck")
+    os.rename(tmp_path / "ck", tmp_path / ".ck.retired-1")
+    ck.save(rt, tmp_path / "ck")
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
