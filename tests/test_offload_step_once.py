@@ -176,8 +176,11 @@ def test_a_parent_s_step_inside_the_user_s_is_told_apart_through_frames_in_betwe
     def through_a_frame():
         return offload_step.within_step(opt)
 
-    opt.register_step_pre_hook(lambda optimizer, args, kwargs: seen.append(through_a_frame()))
-    offload_step._EMPTIED[opt] = ([], {})  # as after paramfsm stepped the units of the user's step
+    def hook(optimizer, args, kwargs):
+        seen.append(through_a_frame())
+        offload_step._EMPTIED.setdefault(opt, ([], {}))  # as paramfsm's pre-hook leaves the user's step
+
+    opt.register_step_pre_hook(hook)
     try:
         opt.step()
     finally:
