@@ -80,3 +80,81 @@ def test_a_bigger_models_checkpoint_does_not_load_into_a_smaller_one(one_rank, t
         assert all(torch.equal(after[k], before[k]) for k in before)
     finally:
         rt.close()
+
+
+def _saved(tmp_path, model, optimizer=False) -> str:
+    rt = paramfsm.shard(model)
+    opt = None
+    if optimizer:
+        opt = torch.optim.Adam(rt.model.parameters(), lr=0.1)
+        rt.model(torch.ones(2, model[0].in_features)).sum().backward()
+        opt.step()
+    ck.save(rt, tmp_path / "ck", optimizer=opt)
+    rt.close()
+    return str(tmp_path / "ck")
+
+
+def _refused_load(model, path, optimizer=False) -> str:
+    rt = paramfsm.shard(model)
+    opt = torch.optim.Adam(rt.model.parameters(), lr=0.1) if optimizer else None
+    before = rt.full_state_dict()
+    try:
+        with pytest.raises(ParamFSMError) as caught:
+            ck.load(rt, path, optimizer=opt)
+        after = rt.full_state_dict()
+        assert all(torch.equal(after[k], before[k]) for k in before), "a refused load changed the model"
+    finally:
+        rt.close()
+    return str(caught.value)
+
+
+def _linears(*widths):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])))
+
+
+def test_a_smaller_models_checkpoint_names_the_first_key_it_lacks(one_rank, tmp_path):  # noqa: F811
+    path = _saved(tmp_path, _linears(8, 8))
+    message = _refused_load(_linears(8, 8, 8), path)
+    assert message == (f"paramfsm.checkpoint.load: '{path}' has no '1.weight' (this model's shape (8, 8)); it was "
+                       "saved from another model. Nothing was loaded (rank 0)")
+
+
+def test_another_shape_is_named_with_both_shapes(one_rank, tmp_path):  # noqa: F811
+    path = _saved(tmp_path, _linears(8, 6))
+    message = _refused_load(_linears(8, 5), path)
+    assert message == (f"paramfsm.checkpoint.load: '0.weight' has shape (6, 8) in '{path}' but shape (5, 8) in "
+                       "this model; it was saved from another model. Nothing was loaded (rank 0)")
+
+
+def test_the_same_number_of_values_in_another_shape_is_refused_by_the_manifest(one_rank, tmp_path):  # noqa: F811
+    """(6, 4) and (4, 6) hold as many values: only the shapes the manifest keeps tell them apart."""
+    path = _saved(tmp_path, _linears(4, 6, 4))
+    message = _refused_load(_linears(6, 4, 6), path)
+    assert message == (f"paramfsm.checkpoint.load: '0.weight' has shape (6, 4) in '{path}' but shape (4, 6) in "
+                       "this model; it was saved from another model. Nothing was loaded (rank 0)")
+
+
+def test_an_optimizer_load_from_a_checkpoint_without_one_says_so(one_rank, tmp_path):  # noqa: F811
+    path = _saved(tmp_path, _linears(8, 8))
+    message = _refused_load(_linears(8, 8), path, optimizer=True)
+    assert message == (f"paramfsm.checkpoint.load(optimizer=...): '{path}' was saved without optimizer state; "
+                       "nothing was loaded. What to do: load it without optimizer=, or load a checkpoint saved with "
+                       "save(rt, path, optimizer=opt) (rank 0)")
+
+
+def test_optimizer_state_of_another_shape_is_refused(one_rank, tmp_path):  # noqa: F811
+    path = _saved(tmp_path, _linears(8, 8), optimizer=True)
+    rt = paramfsm.shard(_linears(8, 8))
+    opt = torch.optim.Adam(rt.model.parameters(), lr=0.1)
+    rt.model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    for state in opt.state.values():
+        state["exp_avg"] = torch.zeros(3)  # not the shape the checkpoint holds
+    try:
+        with pytest.raises(ParamFSMError) as caught:
+            ck.load(rt, path, optimizer=opt)
+    finally:
+        rt.close()
+    assert str(caught.value) == (f"paramfsm.checkpoint.load: optimizer state 'optim.0.weight.exp_avg' has shape "
+                                 f"(8, 8) in '{path}' but (3,) here; nothing was loaded (rank 0)")

@@ -64,27 +64,25 @@ def _model_shapes(rt) -> dict[str, tuple[int, ...]]:
     return out
 
 
-_writer_class = None
-
-
 def _writer(folder: Path):
-    """DCP's file writer into ``folder``, passing the named points of a save (:func:`folders.reach`)."""
-    global _writer_class
-    if _writer_class is None:
-        from torch.distributed.checkpoint import FileSystemWriter
+    """DCP's file writer into ``folder``, passing the named points of a save (:func:`folders.reach`).
 
-        class StagingWriter(FileSystemWriter):
-            def write_data(self, plan, planner):
-                written = super().write_data(plan, planner)
-                folders.reach("data_written")
-                return written
+    The class is made at each call, inside it because DCP is imported by the first save, not with paramfsm;
+    making it costs microseconds beside a save's file writes, and no state is kept between saves.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
 
-            def finish(self, metadata, results) -> None:
-                folders.reach("metadata")
-                super().finish(metadata, results)
+    class StagingWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            written = super().write_data(plan, planner)
+            folders.reach("data_written")
+            return written
 
-        _writer_class = StagingWriter
-    return _writer_class(str(folder))
+        def finish(self, metadata, results) -> None:
+            folders.reach("metadata")
+            super().finish(metadata, results)
+
+    return StagingWriter(str(folder))
 
 
 def _check_keep_last(keep_last) -> None:
