@@ -27,6 +27,11 @@ def _values(rt) -> dict:
     return {key: value.clone() for key, value in rt.full_state_dict().items()}
 
 
+def _assert_unchanged(rt, before: dict) -> None:
+    for key, value in _values(rt).items():
+        assert torch.equal(value, before[key]), key
+
+
 @pytest.mark.parametrize("write", ["in place", "data of the same shape"])
 def test_a_change_inside_the_block_reaches_the_shard(one_rank, write):
     model = _model()
@@ -62,8 +67,7 @@ def test_data_of_another_shape_or_dtype_is_refused_naming_the_parameter(one_rank
                               "AVAILABLE, event written_back) cannot be written back: its .data was "), message
     assert words in message and "(rank 0 cannot write it back)" in message, message
     assert "Nothing was written back. What to do:" in message
-    for key, value in _values(rt).items():
-        assert torch.equal(value, before[key]), key
+    _assert_unchanged(rt, before)
     rt.close()
 
 
@@ -78,8 +82,7 @@ def test_a_write_to_a_low_precision_compute_copy_is_refused(one_rank):
     assert ("it was changed, but inside the block it is the torch.bfloat16 compute copy (param_dtype) of a "
             "torch.float32 shard, so writing it back would round the shard; set full-precision values with "
             "rt.load_full_state_dict(...) instead") in message
-    for key, value in _values(rt).items():
-        assert torch.equal(value, before[key]), key
+    _assert_unchanged(rt, before)
     rt.close()
 
 
@@ -103,8 +106,7 @@ def test_a_block_that_raises_writes_nothing_back_and_raises_its_own_error(one_ra
     with pytest.raises(ValueError, match="a bad value"), torch.no_grad(), rt.gathered():
         model[0].weight.add_(1)
         raise ValueError("a bad value")
-    for key, value in _values(rt).items():
-        assert torch.equal(value, before[key]), key
+    _assert_unchanged(rt, before)
     rt.close()
 
 
