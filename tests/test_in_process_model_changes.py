@@ -106,6 +106,7 @@ def test_changes_that_keep_the_partitioned_parameters_are_allowed(one_rank):
     model.scale = None  # a name without a parameter
     model.register_parameter("nothing", None)
     model.tail = nn.ReLU()  # a module without parameters
+    model.add_module("empty", None)  # a name without a module
     model(torch.ones(2, 4))
     assert model_changes._forward_hook is None
     rt.detach()
@@ -119,6 +120,17 @@ def test_a_closed_runtime_s_model_is_plain_torch_again(one_rank):
     model.a.weight = nn.Parameter(torch.ones(4, 4))
     model.head = nn.Linear(3, 2)
     assert model(torch.ones(2, 4)).shape == (2, 3)  # nothing to refuse: the model is no longer sharded
+
+
+def test_a_plain_module_runs_while_a_sharded_model_s_change_waits(one_rank):
+    """The hook that refuses the changed model runs for every module of the process: a model paramfsm does
+    not shard computes as in plain torch meanwhile."""
+    model = Net()
+    rt = paramfsm.shard(model)
+    model.gain = nn.Parameter(torch.ones(3))
+    plain = nn.Linear(4, 2)
+    assert plain(torch.ones(1, 4)).shape == (1, 2)
+    rt.detach()
 
 
 def test_the_process_wide_hook_lives_only_while_a_change_waits(one_rank):

@@ -25,6 +25,13 @@ from paramfsm.testing.models import mlp
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(scope="module")
+def ranks2(in_process2):
+    """This file's two ranks are threads of the test process (``gloo_ranks.py``), where ``make mutate`` sees
+    them; a test that needs processes of its own asks for ``suite_ranks2``."""
+    return in_process2
+
 #: Every rank must raise this soon; the collective timeout of the ranks' next collective is far longer.
 WITHIN_S = 30
 
@@ -198,9 +205,10 @@ def full_state_job(rank, world, folder, rank0_only):
     return outcome, seconds
 
 
+# Spawned ranks: one rank patches the process's tier reads or writes to fail.
 @pytest.mark.parametrize("rank0_only", [False, True])
-def test_full_state_dict_whose_page_in_fails_on_one_rank_raises_on_every_rank(ranks2, tmp_path, rank0_only):
-    for rank, (outcome, seconds) in enumerate(ranks2.run(full_state_job, str(tmp_path), rank0_only, timeout=120)):
+def test_full_state_dict_whose_page_in_fails_on_one_rank_raises_on_every_rank(suite_ranks2, tmp_path, rank0_only):
+    for rank, (outcome, seconds) in enumerate(suite_ranks2.run(full_state_job, str(tmp_path), rank0_only, timeout=120)):
         want = "OffloadError: could not read" if rank == 1 else \
             "OffloadError: rt.full_state_dict() failed on rank 1"
         assert outcome.startswith(want), (rank, outcome)
@@ -240,8 +248,9 @@ def later_step_job(rank, world, folder):
     return outcomes
 
 
-def test_a_later_offloaded_step_that_fails_on_one_rank_raises_on_every_rank(ranks2, tmp_path):
-    for rank, outcomes in enumerate(ranks2.run(later_step_job, str(tmp_path), timeout=120)):
+# Spawned ranks: one rank patches the process's tier reads or writes to fail.
+def test_a_later_offloaded_step_that_fails_on_one_rank_raises_on_every_rank(suite_ranks2, tmp_path):
+    for rank, outcomes in enumerate(suite_ranks2.run(later_step_job, str(tmp_path), timeout=120)):
         assert outcomes[0] == ("no error", 0.0), (rank, outcomes)
         outcome, seconds = outcomes[1]
         want = "OffloadError: could not write" if rank == 1 else \
