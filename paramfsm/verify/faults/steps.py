@@ -42,11 +42,11 @@ def hooks_per_unit():
         def _step_only(optimizer, saved, ids):
             for group, params in zip(optimizer.param_groups, saved):
                 group["params"] = [p for p in params if id(p) in ids]
-            offload_step._inner[0] = True
+            offload_step._inner.unit = True
             try:
                 optimizer.step()
             finally:
-                offload_step._inner[0] = False
+                offload_step._inner.unit = False
         return _step_only
     return patched(offload_step, "_step_only", make)
 
