@@ -29,6 +29,7 @@ import paramfsm
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import ProcessGroup
 from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld, WorldData
 
 from paramfsm.engine.effects.gloo import exchange
@@ -110,9 +111,12 @@ def on_gloo_ranks(world: int, job, timeout_s: float = 60.0, turns: bool = False)
         start(thread)
 
     saved_world, shard, seed = c10d._world, paramfsm.shard, torch.manual_seed
+    collectives = {name: getattr(ProcessGroup, name) for name in _COLLECTIVES}
     c10d._world = _RankWorlds()
     threading.Thread.start = start_in_world
     paramfsm.shard, torch.manual_seed = _shard_after_turn, _seed_in_turn
+    for name, method in collectives.items():
+        setattr(ProcessGroup, name, _after_turn(method))
     exchange._issuer._hand_over = hand_over
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     try:
@@ -126,6 +130,8 @@ def on_gloo_ranks(world: int, job, timeout_s: float = 60.0, turns: bool = False)
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
         del exchange._issuer._hand_over
         paramfsm.shard, torch.manual_seed = shard, seed
+        for name, method in collectives.items():
+            setattr(ProcessGroup, name, method)
         threading.Thread.start = start
         c10d._world = saved_world
         _stop(issuers.values(), posting)
@@ -156,13 +162,27 @@ def _stop(issuers, threads) -> None:
 # The global random generator is the process's, shared by the rank threads. A job seeds it and builds its
 # model (``torch.manual_seed(0); model = ...``) as a spawned rank does; two threads doing so at once would
 # draw from one sequence in turns and build different models. So a rank takes a turn when its job starts
-# and whenever it seeds the generator, and gives it up when it calls ``paramfsm.shard`` (its first
-# collective) or its job ends: the ranks build each model one after the other, each from its own seed. A
-# job that draws from the global generator after sharding (dropout) draws in no set order. A job that meets
-# a collective while it holds its turn would wait for ranks that wait for the turn: they go on without it
-# after ``TURN_S``.
+# and whenever it seeds the generator, and gives it up when it calls ``paramfsm.shard`` or any collective
+# (FSDP2's, DCP's, the job's own: a collective waits for the other ranks, which wait for the turn) or its job
+# ends: the ranks build each model one after the other, each from its own seed. A job that draws from the
+# global generator after sharding (dropout) draws in no set order. A rank that blocks otherwise while it holds
+# its turn (a group's rendezvous on the store) is passed by the others after ``TURN_S``.
 TURN_S = 10.0
 _real_shard, _real_seed = paramfsm.shard, torch.manual_seed
+#: Every ProcessGroup method that waits for other ranks: a rank calling one gives up its turn first.
+_COLLECTIVES = tuple(name for name in dir(ProcessGroup) if not name.startswith("__") and name.lstrip("_").startswith((
+    "allgather", "all_gather", "allreduce", "alltoall", "all_to_all", "barrier", "broadcast", "gather", "scatter",
+    "monitored_barrier", "recv", "reduce", "send")))
+
+
+def _after_turn(method):
+    """``method`` of a process group, called once the calling rank has given up its turn."""
+
+    def call(self, *args, **kwargs):
+        _end_turn()
+        return method(self, *args, **kwargs)
+
+    return call
 
 
 def _take_turn() -> None:
