@@ -111,12 +111,12 @@ def on_gloo_ranks(world: int, job, timeout_s: float = 60.0, turns: bool = False)
         start(thread)
 
     saved_world, shard, seed = c10d._world, paramfsm.shard, torch.manual_seed
-    collectives = {name: getattr(ProcessGroup, name) for name in _COLLECTIVES}
+    collectives = {name: ProcessGroup.__dict__[name] for name in _COLLECTIVES}  # the descriptors, bound on lookup
     c10d._world = _RankWorlds()
     threading.Thread.start = start_in_world
     paramfsm.shard, torch.manual_seed = _shard_after_turn, _seed_in_turn
-    for name, method in collectives.items():
-        setattr(ProcessGroup, name, _after_turn(method))
+    for name in collectives:
+        setattr(ProcessGroup, name, _after_turn(getattr(ProcessGroup, name)))
     exchange._issuer._hand_over = hand_over
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     try:
@@ -130,8 +130,8 @@ def on_gloo_ranks(world: int, job, timeout_s: float = 60.0, turns: bool = False)
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
         del exchange._issuer._hand_over
         paramfsm.shard, torch.manual_seed = shard, seed
-        for name, method in collectives.items():
-            setattr(ProcessGroup, name, method)
+        for name, descriptor in collectives.items():
+            setattr(ProcessGroup, name, descriptor)
         threading.Thread.start = start
         c10d._world = saved_world
         _stop(issuers.values(), posting)
@@ -170,7 +170,7 @@ def _stop(issuers, threads) -> None:
 TURN_S = 10.0
 _real_shard, _real_seed = paramfsm.shard, torch.manual_seed
 #: Every ProcessGroup method that waits for other ranks: a rank calling one gives up its turn first.
-_COLLECTIVES = tuple(name for name in dir(ProcessGroup) if not name.startswith("__") and name.lstrip("_").startswith((
+_COLLECTIVES = tuple(name for name in vars(ProcessGroup) if not name.startswith("__") and name.lstrip("_").startswith((
     "allgather", "all_gather", "allreduce", "alltoall", "all_to_all", "barrier", "broadcast", "gather", "scatter",
     "monitored_barrier", "recv", "reduce", "send")))
 

@@ -177,21 +177,32 @@ def test_an_error_inside_gathered_on_one_rank_raises_on_every_rank_and_writes_no
         assert kept, f"rank {rank}: a write-back happened after the block raised on a rank"
 
 
-def full_state_job(rank, world, folder, rank0_only):
+#: The ranks whose tier fails now (a rank's own disk): read on the calling thread's rank, which in process is
+#: the rank's own (its page-in and page-out threads included, ``gloo_ranks.py``).
+FAILING: set = set()
+
+
+def _failing_tier(monkeypatch, what: str, owner_name: str = "2.weight"):
+    """Make ``DiskTier.<what>`` fail for ``owner_name`` on the ranks in :data:`FAILING`, as one machine's disk."""
     from paramfsm.engine.storage import tiers
 
+    real = getattr(tiers.DiskTier, what)
+
+    def failing(self, slot, *args):
+        if args[-1] == owner_name and dist.get_rank() in FAILING:
+            raise self._io_error(owner_name, what, slot.nbytes, OSError(5, "Input/output error"))
+        return real(self, slot, *args)
+
+    monkeypatch.setattr(tiers.DiskTier, what, failing)
+    FAILING.clear()
+
+
+def full_state_job(rank, world, folder, rank0_only):
     torch.manual_seed(0)
     model = mlp(width=16, depth=3, d_in=8, d_out=4)
     rt = paramfsm.shard(model, offload=paramfsm.Offload(params="disk", path=os.path.join(folder, f"rank{rank}")))
-    read = tiers.DiskTier.read
-
-    def failing_read(self, slot, out, owner):
-        if owner == "2.weight":
-            raise self._io_error(owner, "read", slot.nbytes, OSError(5, "Input/output error"))
-        return read(self, slot, out, owner)
-
     if rank == 1:
-        tiers.DiskTier.read = failing_read  # rank 1's disk cannot give back one shard
+        FAILING.add(rank)  # rank 1's disk cannot give back one shard
     start = time.monotonic()
     try:
         rt.full_state_dict(rank0_only=rank0_only)
@@ -199,16 +210,17 @@ def full_state_job(rank, world, folder, rank0_only):
     except ParamFSMError as exc:
         outcome = f"{type(exc).__name__}: {exc}"
     finally:
-        tiers.DiskTier.read = read
+        FAILING.discard(rank)
     seconds = time.monotonic() - start
     _next_collective(rank)
     return outcome, seconds
 
 
-# Spawned ranks: one rank patches the process's tier reads or writes to fail.
 @pytest.mark.parametrize("rank0_only", [False, True])
-def test_full_state_dict_whose_page_in_fails_on_one_rank_raises_on_every_rank(suite_ranks2, tmp_path, rank0_only):
-    for rank, (outcome, seconds) in enumerate(suite_ranks2.run(full_state_job, str(tmp_path), rank0_only, timeout=120)):
+def test_full_state_dict_whose_page_in_fails_on_one_rank_raises_on_every_rank(ranks2, tmp_path, rank0_only,
+                                                                               monkeypatch):
+    _failing_tier(monkeypatch, "read")
+    for rank, (outcome, seconds) in enumerate(ranks2.run(full_state_job, str(tmp_path), rank0_only, timeout=120)):
         want = "OffloadError: could not read" if rank == 1 else \
             "OffloadError: rt.full_state_dict() failed on rank 1"
         assert outcome.startswith(want), (rank, outcome)
@@ -217,24 +229,15 @@ def test_full_state_dict_whose_page_in_fails_on_one_rank_raises_on_every_rank(su
 
 
 def later_step_job(rank, world, folder):
-    from paramfsm.engine.storage import tiers
-
     torch.manual_seed(0)
     model = mlp(width=16, depth=3, d_in=8, d_out=4)
     rt = paramfsm.shard(model, offload=paramfsm.Offload(optimizer="disk", path=os.path.join(folder, f"rank{rank}")))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    write = tiers.DiskTier.write
-
-    def failing_write(self, slot, tensor, version, owner):
-        if owner == "2.weight":
-            raise self._io_error(owner, "write", slot.nbytes, OSError(5, "Input/output error"))
-        return write(self, slot, tensor, version, owner)
-
     outcomes = []
     for step in range(2):
         model(torch.ones(2, 8)).sum().backward()
         if rank == 1 and step == 1:
-            tiers.DiskTier.write = failing_write  # rank 1's disk fails in its second step, after the first
+            FAILING.add(rank)  # rank 1's disk fails in its second step, after the first
         start = time.monotonic()
         try:
             opt.step()
@@ -242,21 +245,25 @@ def later_step_job(rank, world, folder):
         except ParamFSMError as exc:
             outcomes.append((f"{type(exc).__name__}: {exc}\n{getattr(exc, '__notes__', [])}", time.monotonic() - start))
         finally:
-            tiers.DiskTier.write = write
+            FAILING.discard(rank)
         opt.zero_grad()
     _next_collective(rank)
     return outcomes
 
 
-# Spawned ranks: one rank patches the process's tier reads or writes to fail.
-def test_a_later_offloaded_step_that_fails_on_one_rank_raises_on_every_rank(suite_ranks2, tmp_path):
-    for rank, outcomes in enumerate(suite_ranks2.run(later_step_job, str(tmp_path), timeout=120)):
+def test_a_later_offloaded_step_that_fails_on_one_rank_raises_on_every_rank(ranks2, tmp_path, monkeypatch):
+    _failing_tier(monkeypatch, "write")
+    for rank, outcomes in enumerate(ranks2.run(later_step_job, str(tmp_path), timeout=120)):
         assert outcomes[0] == ("no error", 0.0), (rank, outcomes)
         outcome, seconds = outcomes[1]
         want = "OffloadError: could not write" if rank == 1 else \
             "OffloadError: the offloaded optimizer step failed on rank 1"
         assert outcome.startswith(want), (rank, outcome)
         assert "'2.weight'" in outcome and "load the last checkpoint" in outcome, (rank, outcome)
+        if rank == 0:  # what the ranks that finished did, and what to do, word for word
+            assert ("The ranks that finished the step stepped every unit and the failed rank did not, so the "
+                    "parameters now differ between ranks. What to do: fix the cause, then load the last checkpoint "
+                    "(paramfsm.checkpoint.load) before training on.") in outcome, outcome
         assert seconds < WITHIN_S, (rank, seconds)
 
 
