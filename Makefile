@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-catalogue check-wheel demo bench lint mutants mutate verify verify-long gpu-check clean
+.PHONY: install test test-slow test-catalogue check-wheel demo bench lint mutants mutate verify verify-long gpu-check clean
 
 install: $(STAMP)
 
@@ -18,14 +18,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[test]" "$(TORCH)"
 	touch $(STAMP)
 
-# The suite but the fault catalogue, on two test processes (pytest-xdist), a test file each at a time: the
-# multi-rank tests leave a third of two cores idle while ranks wait on each other, and a second process fills
-# it (344 s on one process, 231 s on two, on 2 cores). Two, not one per core: each process keeps its own rank
-# pools (up to 10 ranks). make test-catalogue runs the catalogue (in halves, one per process); CI runs both.
-# A plain `pytest` runs everything in one process.
+# The suite but the fault catalogue and the slow tests, on two test processes (pytest-xdist), a test file each
+# at a time: the multi-rank tests leave a third of two cores idle while ranks wait on each other, and a second
+# process fills it. Two, not one per core: each process keeps its own rank pools (up to 10 ranks).
+# make test-slow runs the tests marked slow (over about 5 s each: whole verify searches, the examples under
+# torchrun, memory plans of real configs), spread test by test; make test-catalogue runs the catalogue (in
+# halves, one per process). CI runs all three. A plain `pytest` runs everything in one process.
 XDIST := -n 2
 test: install
-	$(PY) -m pytest -q $(XDIST) --dist loadfile -m "not catalogue"
+	$(PY) -m pytest -q $(XDIST) --dist loadfile -m "not catalogue and not slow"
+
+test-slow: install
+	$(PY) -m pytest -q $(XDIST) --dist load -m "slow and not catalogue"
 
 test-catalogue: install
 	$(PY) -m pytest -q $(XDIST) --dist loadgroup -m catalogue tests/test_mutants.py

@@ -17,8 +17,6 @@ from torch import nn
 import paramfsm
 from paramfsm.errors import ArgumentError, ArgumentTypeError, OffloadError, ParamFSMError
 
-pytestmark = pytest.mark.slow
-
 
 class Scale(nn.Module):
     """Buffers only: ``Module._apply`` converts them before it reaches any parameter after them."""

@@ -15,8 +15,6 @@ from torch import nn
 
 import paramfsm
 
-pytestmark = pytest.mark.slow
-
 STEPS = 3
 
 

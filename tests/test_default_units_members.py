@@ -70,7 +70,6 @@ def members_job(rank, world):
     return report
 
 
-@pytest.mark.slow
 def test_merged_modules_called_on_their_own_train_like_plain_torch(ranks2):
     for report in ranks2.run(members_job):
         assert report["units"] == ["<root>", "big.proj", "big.back"], report["units"]  # trunk and heads: merged

@@ -64,6 +64,7 @@ def ring_memory_job(rank, world, trace, steps):
     return held, len(rt.trace), records[0].seq, str(problem) if problem else None
 
 
+@pytest.mark.slow
 def test_the_recorder_memory_is_flat_over_2000_steps(ranks1):
     held, kept, first_seq, problem = ranks1.run(ring_memory_job, 256, 2000)[0]
     assert kept == 256 and first_seq > 0 and problem is None, problem

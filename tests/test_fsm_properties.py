@@ -16,6 +16,7 @@ is what these tests see.
 from __future__ import annotations
 
 import attrs
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
@@ -246,6 +247,7 @@ def any_or_lifecycle_event(state: State):
     return st.one_of(st.sampled_from(LIFECYCLE[state]), st.sampled_from(EVENTS))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_compiled_table_agrees_with_transitions_machine(data):

@@ -16,8 +16,6 @@ from torch import nn
 import paramfsm
 from paramfsm.errors import ParamFSMError
 
-pytestmark = pytest.mark.slow
-
 
 def _mlp():
     torch.manual_seed(0)

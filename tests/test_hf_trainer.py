@@ -124,6 +124,7 @@ def plain_job(rank, world, overrides=None):
                 "logits": logits, "eval": trainer.evaluate()["eval_loss"]}
 
 
+@pytest.mark.slow
 def test_trainer_on_2_ranks_matches_a_plain_trainer(ranks2, ranks1):
     ours, other = ranks2.run(sharded_job)
     (plain,) = ranks1.run(plain_job)

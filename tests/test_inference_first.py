@@ -14,8 +14,6 @@ from torch import nn
 
 import paramfsm
 
-pytestmark = pytest.mark.slow
-
 
 def _model():
     torch.manual_seed(0)

@@ -20,8 +20,6 @@ import paramfsm
 from paramfsm.engine.effects.gloo import exchange
 from test_offload import _batch, _model
 
-pytestmark = pytest.mark.slow
-
 
 def exchange_job(rank, world):
     gc.disable()

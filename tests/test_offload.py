@@ -19,8 +19,6 @@ import paramfsm
 from paramfsm.errors import ArgumentError, OffloadError
 from paramfsm.testing.models import mlp
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def ranks2(in_process2):

@@ -19,8 +19,6 @@ import paramfsm
 from paramfsm.errors import OffloadError
 from paramfsm.testing.models import mlp
 
-pytestmark = pytest.mark.slow
-
 STEPS = 3
 
 

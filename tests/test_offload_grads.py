@@ -16,8 +16,6 @@ import paramfsm
 from paramfsm.errors import ArgumentError, OffloadError
 from test_offload import STEPS, _batch, _model, disk_full
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def ranks2(in_process2):

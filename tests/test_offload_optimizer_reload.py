@@ -16,8 +16,6 @@ import torch
 
 import paramfsm
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def ranks2(in_process2):

@@ -18,8 +18,6 @@ import paramfsm
 from paramfsm.optim import offload_step
 from paramfsm.testing.models import mlp
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def ranks2(in_process2):

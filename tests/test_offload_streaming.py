@@ -21,8 +21,6 @@ from paramfsm.checkpoint import streamed_load
 from paramfsm.integrations.hf import load_pretrained
 from paramfsm.testing.models import mlp
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def ranks2(in_process2):

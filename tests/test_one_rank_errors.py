@@ -23,8 +23,6 @@ import paramfsm
 from paramfsm.errors import OffloadError, ParamFSMError
 from paramfsm.testing.models import mlp
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def ranks2(in_process2):

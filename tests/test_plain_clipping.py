@@ -17,8 +17,6 @@ import torch
 import paramfsm
 from paramfsm.testing.models import mlp
 
-pytestmark = pytest.mark.slow
-
 STEPS = 3
 MAX_NORM = 0.05
 

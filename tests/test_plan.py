@@ -268,6 +268,7 @@ def test_a_plan_inside_a_job_runs_apart_and_says_the_same(ranks2):
         assert found["phases"] == here["phases"] and found["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_the_command_line_plans_a_hugging_face_config(tmp_path):
     pytest.importorskip("transformers")
     config = tmp_path / "config.json"
@@ -360,6 +361,7 @@ def test_the_samplers_running_totals_agree_with_rt_memory_after_every_transition
         assert differ == [] and phases == 1, differ
 
 
+@pytest.mark.slow
 def test_the_command_line_plans_a_model_a_function_builds_with_its_offload(tmp_path):
     (tmp_path / "my_models.py").write_text(
         "import torch\nfrom torch import nn\n\n\ndef build():\n"

@@ -19,8 +19,6 @@ from torch import nn
 import paramfsm
 from paramfsm.errors import CollectiveTimeout, RankDesync
 
-pytestmark = pytest.mark.slow
-
 
 class TwoHeads(nn.Module):
     def __init__(self):

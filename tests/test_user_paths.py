@@ -26,8 +26,6 @@ import paramfsm.optim
 from paramfsm.errors import ModelChanged, OffloadError, ParamFSMError
 from paramfsm.testing.models import mlp
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def ranks2(in_process2):

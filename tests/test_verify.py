@@ -35,6 +35,7 @@ SUBJECTS = "paramfsm.testing.subjects:"
 
 # ------------------------------------------------------------------ generated programs
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(programs(probe(SUBJECTS + "mlp_regression"), max_ops=16))
 def test_generated_programs_are_valid_plain_torch(program):
@@ -124,6 +125,7 @@ def test_examples_from_env(monkeypatch):
 
 # ------------------------------------------------------------------ on the ranks
 
+@pytest.mark.slow
 def test_a_fixed_program_passes_every_check(ranks2):
     """The seed pattern, a gradient penalty, checkpointing and gathered access, against plain torch."""
     ops = (Forward(0, 0, "train"), Loss(0, 0, 0, 0), Loss(1, 0, 0, 1), Backward(0, True, False),
@@ -159,11 +161,13 @@ def test_a_failure_shrinks_to_a_reproduction(ranks2):
 
 
 # branchy_lm is verified by the fault catalogue's baseline (tests/test_mutants.py), with more programs.
+@pytest.mark.slow
 @pytest.mark.parametrize("subject", ["tiny_transformer", "tiny_transformer_tied", "mlp_regression"])
 def test_verify_our_models(ranks2, subject):
     verify_model(SUBJECTS + subject, world_size=2, examples=12, pool=ranks2, shrink_budget_s=30)
 
 
+@pytest.mark.slow
 def test_verify_at_world_3(ranks3):
     """CI runs verify at world size 3 too (padded shards of another size): canonical, then drawn programs."""
     report = verify_model(SUBJECTS + "branchy_lm", world_size=3, examples=8, pool=ranks3, shrink_budget_s=30)

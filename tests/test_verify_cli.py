@@ -129,6 +129,7 @@ def test_progress_lines_are_rate_limited():
 
 # ------------------------------------------------------------------ model limits are not bugs: status 0
 
+@pytest.mark.slow
 def test_programs_plain_torch_cannot_run_are_rejected_not_reported(capsys):
     """A model without double backward: its gradient-penalty programs are rejected, the rest pass."""
     assert cli.main(["verify", "paramfsm.testing.subjects:once_differentiable_mlp", "--examples", "4",
@@ -145,6 +146,7 @@ def test_programs_plain_torch_cannot_run_are_rejected_not_reported(capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_a_passing_verify_prints_nothing_but_its_result(capfd, tmp_path, monkeypatch):
     """Its canonical programs end in accepted outcomes (every rank raising RankDesync, every rank refusing a
     write inside forward), whose flight-recorder dumps verify removes: no notice names one of them."""
@@ -169,6 +171,7 @@ def test_the_rejection_summary_counts_by_reason():
 
 # ------------------------------------------------------------------ a bug: status 1, and a script that reproduces it
 
+@pytest.mark.slow
 def test_a_saved_reproduction_fails_where_it_is_saved_and_passes_on_fixed_code(user_folder, tmp_path, capsys):
     """verify -o saves a script that imports the factory from where verify found it and runs verify's checks."""
     _write(user_folder, "user_model", USER_MODEL)

@@ -57,6 +57,7 @@ def _passes(outcomes) -> None:
 
 # ------------------------------------------------------------------ generated programs (no ranks)
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(programs(probe(SUBJECTS + "tiny_transformer_tied"), max_ops=12))
 def test_generated_training_programs_are_valid_plain_torch(program):
@@ -86,6 +87,7 @@ def test_training_loops_pass_every_check_on_2_ranks(ranks2, subject):
     _passes(_outcomes(ranks2, subject, Program(BF16, BF16_LOOP)))
 
 
+@pytest.mark.slow
 def test_training_loops_pass_every_check_on_3_ranks(ranks3):
     _passes(_outcomes(ranks3, "branchy_lm", Program(FP16, FP16_LOOP)))
     _passes(_outcomes(ranks3, "branchy_lm", Program(BF16, BF16_LOOP)))
@@ -150,6 +152,7 @@ def test_a_dcp_round_trip_catches_the_offset_fault(ranks2):
     assert all("do not tile each tensor" in o.message and "writable" not in o.message for o in failed), failed
 
 
+@pytest.mark.slow
 def test_verify_kills_a_training_fault_at_world_3(ranks3):
     report = verify(SUBJECTS + "branchy_lm", world_size=3, examples=5, pool=ranks3, fault="found_inf_not_agreed",
                     shrink=False)

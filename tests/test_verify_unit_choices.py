@@ -46,6 +46,7 @@ def test_every_unit_choice_is_drawn_and_shards_as_it_says(choice, monkeypatch):
             "by_size": "units=paramfsm.by_size(min_bytes=2048)"}[choice] in script
 
 
+@pytest.mark.slow
 def test_a_subject_with_units_of_its_own_draws_them_and_one_unit_only():
     shape = Shape(modules=("a",), own_units=True)
     assert find(configs(shape), lambda c: c.units == "one").units == "one"
