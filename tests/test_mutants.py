@@ -1,6 +1,6 @@
 """The fault catalogue: every real lifetime bug in it must be killed by ``paramfsm verify`` within the CI budget.
 
-The tests that run the catalogue on ranks carry the ``catalogue`` mark: they take about five minutes of two
+The tests that run the catalogue on ranks carry the ``catalogue`` mark: they take about 17 minutes of two
 cores, so ``make test`` leaves them out and ``make test-catalogue`` runs them, in halves on two test processes,
 as its own step of every CI run.
 """
