@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 # process fills it. Two, not one per core: each process keeps its own rank pools (up to 10 ranks).
 # make test-slow runs the tests marked slow (over about 5 s each: whole verify searches, the examples under
 # torchrun, memory plans of real configs), spread test by test; make test-catalogue runs the catalogue (in
-# halves, one per process). CI runs all three. A plain `pytest` runs everything in one process.
+# parts over both processes). CI runs all three. A plain `pytest` runs everything in one process.
 XDIST := -n 2
 test: install
 	$(PY) -m pytest -q $(XDIST) --dist loadfile -m "not catalogue and not slow"

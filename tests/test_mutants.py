@@ -1,7 +1,7 @@
 """The fault catalogue: every real lifetime bug in it must be killed by ``paramfsm verify`` within the CI budget.
 
 The tests that run the catalogue on ranks carry the ``catalogue`` mark: they take about 17 minutes of two
-cores, so ``make test`` leaves them out and ``make test-catalogue`` runs them, in halves on two test processes,
+cores, so ``make test`` leaves them out and ``make test-catalogue`` runs them, in parts on two test processes,
 as its own step of every CI run.
 """
 
@@ -87,27 +87,30 @@ def test_an_unknown_fault_is_named():
             pass
 
 
-#: The catalogue runs in two halves and its baselines apart, spread over the test processes of ``make
-#: test-catalogue`` (pytest-xdist groups). A kill means something only while the unmutated runtime passes the same
-#: programs: the baselines' test says so in the same run.
-HALVES = [pytest.param(half, marks=pytest.mark.xdist_group(f"catalogue-{half}"), id=f"half{half}") for half in (0, 1)]
+#: The catalogue runs in four parts and its baselines apart, spread over the test processes of ``make
+#: test-catalogue`` (pytest-xdist groups; four parts, not two, so that the two processes end close together). A
+#: kill means something only while the unmutated runtime passes the same programs: the baselines' test says so in
+#: the same run.
+PARTS = 4
+PART_PARAMS = [pytest.param(part, marks=pytest.mark.xdist_group(f"catalogue-{part}"), id=f"part{part}")
+               for part in range(PARTS)]
 
 
-def half_of(half: int) -> tuple:
-    return faults.CATALOGUE[half::2]
+def part_of(part: int) -> tuple:
+    return faults.CATALOGUE[part::PARTS]
 
 
-_RUNS: dict = {}  # half -> its run: a parametrized fixture may be set up again for each test under pytest-xdist
+_RUNS: dict = {}  # part -> its run: a parametrized fixture may be set up again for each test under pytest-xdist
 
 
-@pytest.fixture(params=HALVES)
+@pytest.fixture(params=PART_PARAMS)
 def catalogue(request, ranks2):
-    """One verification per catalogued fault of one half (run once per test process for the tests below)."""
-    half = request.param
-    if half not in _RUNS:
-        _RUNS[half] = run_catalogue(examples=examples_from_env(CI_EXAMPLES), pool=ranks2, faults=half_of(half),
+    """One verification per catalogued fault of one part (run once per test process for the tests below)."""
+    part = request.param
+    if part not in _RUNS:
+        _RUNS[part] = run_catalogue(examples=examples_from_env(CI_EXAMPLES), pool=ranks2, faults=part_of(part),
                                     baseline=False)
-    return _RUNS[half]
+    return _RUNS[part]
 
 
 @pytest.mark.catalogue
@@ -121,8 +124,8 @@ def test_the_unmutated_runtime_passes_the_programs_that_kill_the_catalogue(ranks
         assert problem is None and rows == [], problem
 
 
-def test_the_halves_cover_the_catalogue():
-    assert sorted(f.name for half in (0, 1) for f in half_of(half)) == sorted(faults.FAULTS)
+def test_the_parts_cover_the_catalogue():
+    assert sorted(f.name for part in range(PARTS) for f in part_of(part)) == sorted(faults.FAULTS)
 
 
 @pytest.mark.catalogue
