@@ -184,3 +184,60 @@ def test_a_parent_s_step_inside_the_user_s_is_told_apart_through_frames_in_betwe
     finally:
         offload_step._EMPTIED.pop(opt, None)
     assert seen == [False, True]  # the user's own step, then the parent's inside it
+
+
+def extra_param_job(rank, world):
+    """An optimizer over the sharded model and a parameter of no module (a learnt temperature), with a user
+    pre-hook that hands the step's arguments back as they came, under ``Offload(optimizer="cpu")``; then a
+    pre-hook that returns something torch refuses, and a closure passed by keyword."""
+    model = _model()
+    rt = paramfsm.shard(model, offload=paramfsm.Offload(optimizer="cpu")) if world else None
+    temperature = torch.nn.Parameter(torch.full((1,), 2.0))
+    opt = torch.optim.AdamW([{"params": model.parameters()}, {"params": [temperature], "lr": 0.1}], lr=1e-2)
+    handed = []
+
+    def hand_back(optimizer, args, kwargs):
+        handed.append((len(args), dict(kwargs)))
+        return args, kwargs
+
+    handle = opt.register_step_pre_hook(hand_back)
+    for step in range(STEPS):  # every rank the whole batch: the temperature's gradient is no rank's to reduce
+        (model(_batch(step)) * temperature).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    handle.remove()
+    full = rt.full_state_dict() if rt is not None else {k: v.clone() for k, v in model.state_dict().items()}
+    trained = temperature.detach().clone()
+    refusals = []
+    bad = opt.register_step_pre_hook(lambda optimizer, args, kwargs: 5)
+    model(_batch(9)).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        refusals.append(f"{type(exc).__name__}: {exc}")
+    bad.remove()
+    try:
+        opt.step(closure=lambda: model(_batch(9)).sum())
+    except (RuntimeError, paramfsm.ParamFSMError) as exc:
+        refusals.append(f"{type(exc).__name__}: {exc}")
+    if rt is not None:
+        rt.close()
+    return handed, refusals, full, trained
+
+
+def test_a_parameter_of_no_module_and_a_pre_hook_s_arguments_step_like_plain_torch(ranks2):
+    """The offloaded step steps the units one by one; a parameter in no unit must still be stepped (apart, once),
+    and a pre-hook's returned arguments are used, or refused in torch's own words. A closure, even by keyword,
+    is refused (it would run once per unit)."""
+    plain_handed, plain_refusals, plain, plain_temperature = extra_param_job(0, 0)
+    assert not torch.equal(plain_temperature, torch.full((1,), 2.0))
+    for rank, (handed, refusals, full, temperature) in enumerate(ranks2.run(extra_param_job)):
+        assert handed == plain_handed == [(1, {})] * STEPS, (rank, handed)
+        torch.testing.assert_close(temperature, plain_temperature, rtol=1e-5, atol=1e-6)
+        for name, value in plain.items():
+            torch.testing.assert_close(full[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {name}: {m}")
+        assert len(refusals) == 2, (rank, refusals)
+        for refusal in (refusals[0], plain_refusals[0]):  # torch's own words
+            assert refusal.startswith("RuntimeError: ") and \
+                refusal.endswith(" must return None or a tuple of (new_args, new_kwargs), but got 5."), refusal
+        assert refusals[1].startswith("OffloadError: AdamW.step(closure) over offloaded shards"), (rank, refusals)
