@@ -208,6 +208,7 @@ def extra_param_job(rank, world):
     handle.remove()
     full = rt.full_state_dict() if rt is not None else {k: v.clone() for k, v in model.state_dict().items()}
     trained = temperature.detach().clone()
+    held = rt.memory() if rt is not None else {}
     refusals = []
     bad = opt.register_step_pre_hook(lambda optimizer, args, kwargs: 5)
     model(_batch(9)).sum().backward()
@@ -222,16 +223,18 @@ def extra_param_job(rank, world):
         refusals.append(f"{type(exc).__name__}: {exc}")
     if rt is not None:
         rt.close()
-    return handed, refusals, full, trained
+    return handed, refusals, full, trained, held
 
 
 def test_a_parameter_of_no_module_and_a_pre_hook_s_arguments_step_like_plain_torch(ranks2):
     """The offloaded step steps the units one by one; a parameter in no unit must still be stepped (apart, once),
     and a pre-hook's returned arguments are used, or refused in torch's own words. A closure, even by keyword,
     is refused (it would run once per unit)."""
-    plain_handed, plain_refusals, plain, plain_temperature = extra_param_job(0, 0)
+    plain_handed, plain_refusals, plain, plain_temperature, _ = extra_param_job(0, 0)
     assert not torch.equal(plain_temperature, torch.full((1,), 2.0))
-    for rank, (handed, refusals, full, temperature) in enumerate(ranks2.run(extra_param_job)):
+    for rank, (handed, refusals, full, temperature, held) in enumerate(ranks2.run(extra_param_job)):
+        # AdamW's two moments of every shard are in the CPU tier, not left in working memory.
+        assert held["tier_cpu"] >= 2 * held["shards"] > 0, (rank, held)
         assert handed == plain_handed == [(1, {})] * STEPS, (rank, handed)
         torch.testing.assert_close(temperature, plain_temperature, rtol=1e-5, atol=1e-6)
         for name, value in plain.items():
