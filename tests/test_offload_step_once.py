@@ -201,10 +201,12 @@ def extra_param_job(rank, world):
         return args, kwargs
 
     handle = opt.register_step_pre_hook(hand_back)
+    post_hooks = []  # how many post-hooks the optimizer holds after each step: paramfsm adds one, once
     for step in range(STEPS):  # every rank the whole batch: the temperature's gradient is no rank's to reduce
         (model(_batch(step)) * temperature).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+        post_hooks.append(len(opt._optimizer_step_post_hooks))
     handle.remove()
     full = rt.full_state_dict() if rt is not None else {k: v.clone() for k, v in model.state_dict().items()}
     trained = temperature.detach().clone()
@@ -223,16 +225,17 @@ def extra_param_job(rank, world):
         refusals.append(f"{type(exc).__name__}: {exc}")
     if rt is not None:
         rt.close()
-    return handed, refusals, full, trained, held
+    return handed, refusals, full, trained, held, post_hooks
 
 
 def test_a_parameter_of_no_module_and_a_pre_hook_s_arguments_step_like_plain_torch(ranks2):
     """The offloaded step steps the units one by one; a parameter in no unit must still be stepped (apart, once),
     and a pre-hook's returned arguments are used, or refused in torch's own words. A closure, even by keyword,
     is refused (it would run once per unit)."""
-    plain_handed, plain_refusals, plain, plain_temperature, _ = extra_param_job(0, 0)
+    plain_handed, plain_refusals, plain, plain_temperature, _, _ = extra_param_job(0, 0)
     assert not torch.equal(plain_temperature, torch.full((1,), 2.0))
-    for rank, (handed, refusals, full, temperature, held) in enumerate(ranks2.run(extra_param_job)):
+    for rank, (handed, refusals, full, temperature, held, post_hooks) in enumerate(ranks2.run(extra_param_job)):
+        assert post_hooks == [post_hooks[0]] * STEPS, (rank, post_hooks)
         # AdamW's two moments of every shard are in the CPU tier, not left in working memory.
         assert held["tier_cpu"] >= 2 * held["shards"] > 0, (rank, held)
         assert handed == plain_handed == [(1, {})] * STEPS, (rank, handed)
@@ -243,4 +246,7 @@ def test_a_parameter_of_no_module_and_a_pre_hook_s_arguments_step_like_plain_tor
         for refusal in (refusals[0], plain_refusals[0]):  # torch's own words
             assert refusal.startswith("RuntimeError: ") and \
                 refusal.endswith(" must return None or a tuple of (new_args, new_kwargs), but got 5."), refusal
-        assert refusals[1].startswith("OffloadError: AdamW.step(closure) over offloaded shards"), (rank, refusals)
+        assert refusals[1] == (
+            "OffloadError: AdamW.step(closure) over offloaded shards: the step runs unit by unit, so a closure would "
+            "be evaluated once per unit. What to do: call step() without a closure, or do not offload this model "
+            "(paramfsm.shard(..., offload=None))."), (rank, refusals)
