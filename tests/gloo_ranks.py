@@ -185,10 +185,16 @@ def _after_turn(method):
     return call
 
 
+#: One entry per rank that went on without the turn after ``TURN_S``: a job that blocked while it held it.
+WAITED_OUT: list[str] = []
+
+
 def _take_turn() -> None:
     lock = getattr(_local, "lock", None)
     if lock is not None and getattr(_local, "turn", None) is None:
         _local.turn = lock if lock.acquire(timeout=TURN_S) else None
+        if _local.turn is None:
+            WAITED_OUT.append(threading.current_thread().name)
 
 
 def _end_turn() -> None:
