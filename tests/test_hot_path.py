@@ -94,11 +94,18 @@ def all_gather_job(rank, world):
 
 
 def posting_thread_job(rank, world):
-    """Which thread posted each send and receive of an all-gather and a reduce-scatter, and their results."""
+    """Which thread posted each send and receive of an all-gather and a reduce-scatter, and their results.
+
+    The group starts a new sequence of exchanges, as a new runtime does: an earlier test's exchanges on these
+    shared ranks announce a run, and a batch that deviates from it moves again at its wait, on the waiting
+    thread ([Note: a repeating sequence needs no header])."""
     import threading
 
     import torch.distributed as dist
 
+    from paramfsm.engine.effects.gloo import exchange
+
+    exchange.agree_sizes(dist.group.WORLD, True, forget=True)
     posted, originals = [], (dist.isend, dist.irecv)
 
     def spy(original):
