@@ -163,6 +163,7 @@ def bf16_job(rank, world):
     return report
 
 
+@pytest.mark.slow  # over 5 s on two cores: make test-slow
 def test_trainer_bf16_autocast_matches_a_plain_trainer(ranks2, ranks1):
     """``args.bf16``: Accelerate's autocast still applies (the model is prepared as for evaluation)."""
     ours, _ = ranks2.run(bf16_job)

@@ -19,6 +19,9 @@ import paramfsm
 from paramfsm import State
 from paramfsm.testing.models import TinyTransformer
 
+# A pool of 4 ranks on two cores costs about 10 s to start; no test of make test needs one.
+pytestmark = pytest.mark.slow
+
 VOCAB, SEQ = 29, 6  # odd sizes: shards are padded
 
 

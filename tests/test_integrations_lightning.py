@@ -191,6 +191,7 @@ def resume_job(rank, world, root):
     return {"worst": worst, "listing": listing, "losses": len(losses), "val": len(val)}
 
 
+@pytest.mark.slow  # over 5 s on two cores: make test-slow
 def test_a_fit_resumed_from_a_checkpoint_ends_where_the_straight_fit_ends(ranks2, tmp_path):
     for out in ranks2.run(resume_job, str(tmp_path)):
         assert out["worst"] < 1e-6, out

@@ -112,6 +112,7 @@ def plain_job(rank, world, modules_to_save=None, rows=slice(None)):
     return {"logits": logits, "files": files, "trainable": keys}
 
 
+@pytest.mark.slow  # over 5 s on two cores: make test-slow
 def test_lora_adapter_saved_from_shards_reloads_into_plain_peft(ranks2, ranks1):
     ours, other = ranks2.run(sharded_job)
     (plain,) = ranks1.run(plain_job)

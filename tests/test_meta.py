@@ -240,6 +240,6 @@ def meta_mixed_precision_job(rank, world, shape):
     return True
 
 
-@pytest.mark.parametrize("pool, shape", [("ranks2", None), ("ranks4", (2, 2))], ids=["world2", "mesh2x2"])
+@pytest.mark.parametrize("pool, shape", [("ranks2", None), pytest.param("ranks4", (2, 2), marks=pytest.mark.slow)], ids=["world2", "mesh2x2"])
 def test_meta_build_with_param_dtype_trains_like_plain_torch(pool, shape, request):
     assert request.getfixturevalue(pool).run(meta_mixed_precision_job, shape) == [True] * (4 if shape else 2)

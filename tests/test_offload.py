@@ -351,6 +351,7 @@ def test_evaluation_under_inference_mode_between_offloaded_steps(ranks2, tmp_pat
             torch.testing.assert_close(got, want.chunk(2)[rank], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # over 5 s on two cores: make test-slow
 def test_a_load_after_an_evaluation_under_inference_mode_writes_the_paged_in_shards(ranks2):
     """A loop verify drew (tests/reproductions/offload_inference_page_in.py): an evaluation under
     inference_mode pages shards in, and a checkpoint load writes them in place."""

@@ -59,6 +59,7 @@ def optimizers_job(rank, world, names):
     return errors
 
 
+@pytest.mark.slow  # over 5 s on two cores: make test-slow
 def test_torch_optimizers_on_shards(ranks2):
     errors = ranks2.run(optimizers_job, list(OPTIMIZERS))[0]
     assert set(errors) == set(OPTIMIZERS)
@@ -289,6 +290,7 @@ def dcp_load_job(rank, world, path, saved):
     return True
 
 
+@pytest.mark.slow  # over 5 s on two cores: make test-slow
 def test_sharded_checkpoint_changes_world_size(ranks2, ranks3, ranks1, tmp_path):
     path = str(tmp_path / "ckpt")
     saved = ranks2.run(dcp_save_job, path)[0]

@@ -17,6 +17,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo", "torch._inductor", "sympy")
@@ -47,6 +49,7 @@ def imported(mode: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # over 5 s on two cores: make test-slow
 def test_shard_imports_no_heavy_module_beyond_torch_itself():
     baseline = set(imported("baseline")["baseline"])
     found = imported("shard")

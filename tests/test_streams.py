@@ -101,6 +101,7 @@ def _sabotaged_job(rank, world, lane):
     return two_loss_job(rank, world, "cpu", "defer", 2, streams=RecordingStreams(), bucket_bytes=2048)
 
 
+@pytest.mark.slow  # over 5 s on two cores: make test-slow
 @pytest.mark.parametrize("lane", [GATHER, REDUCE])
 def test_a_removed_join_fails_the_comparison(lane):
     """Each join is load-bearing: without it the loop errors or diverges from plain torch."""

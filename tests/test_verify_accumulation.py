@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from paramfsm.verify import sync_checks
@@ -78,6 +79,7 @@ def test_the_accumulation_pattern_is_canonical():
     assert seen["NoSync"] == 4 and seen["retained kept backward"] and seen["GradSync"] >= 2
 
 
+@pytest.mark.slow  # over 5 s on two cores: make test-slow
 def test_accumulation_and_kept_units_match_plain_torch(ranks2):
     """The canonical accumulation loop, with every unit kept and with the drawn predicate (the root and every
     second unit kept), passes every check on 2 ranks; so do state-dict and checkpoint round trips while a

@@ -9,6 +9,7 @@ synchronising micro-batch) or zeroing the gradients itself.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from paramfsm.verify.search import probe
@@ -58,6 +59,7 @@ def test_a_closure_is_drawn_only_where_opt_step_closure_works():
     assert not any(isinstance(op, ClosureStep) for op in window)
 
 
+@pytest.mark.slow  # over 5 s on two cores: make test-slow
 def test_drawn_closures_run_in_plain_torch_and_render():
     shape = probe(LM)
     subject = load_subject(LM, 0)

@@ -21,7 +21,7 @@ from paramfsm.verify.reproduction import run_saved
 SAVED = Path(__file__).resolve().parent / "reproductions"
 LOOPS = ["whole_parameter_optimizer.py", "step_hooks_under_offload.py", "zero_grad_in_bounded_tier.py",
          "plain_clip_over_shards.py", "refused_shard_then_training.py", "write_in_forward.py",
-         "compiled_eval_between_steps.py", "batch_norm_under_bf16.py"]
+         pytest.param("compiled_eval_between_steps.py", marks=pytest.mark.slow), "batch_norm_under_bf16.py"]
 
 
 @pytest.mark.parametrize("script", LOOPS)
