@@ -20,7 +20,7 @@ from paramfsm.core.spec import Residency as States
 from paramfsm.engine.effects.paging import Pager
 from paramfsm.engine.schedule.residency import Paged, Residency
 from paramfsm.engine.storage.tiers import HostTier
-from paramfsm.errors import NotResident
+from paramfsm.errors import NotResident, StaleOffloadCopy
 
 NBYTES = 16  # four float32
 
@@ -224,3 +224,108 @@ def test_a_paged_out_value_read_on_another_thread_or_after_close_raises_not_resi
     values.residency.page_in_all()
     assert values.residency.placement_of(tensor) is None, "a closed residency places nothing"
     assert torch.equal(tensor, torch.full((4,), 2.0)), "closing hands every value back resident"
+
+
+def test_a_value_needed_twice_stays_in_use_until_released_twice():
+    values = Values("a", bound=None)
+    values.need("a", ahead=False)
+    values.need("a", ahead=False)
+    values.release("a")
+    assert values.states() == "R", "one user is left"
+    values.release("a")
+    values.release("a")  # a release too many is ignored
+    assert values.states() == "O"
+
+
+def test_written_values_get_a_new_version_and_write_back_keeps_them_resident():
+    values = Values("ab", bound=2 * NBYTES)
+    values.residency.write_back([values.p["a"], None])
+    assert values.states() == "RD" and values.pager.bytes_written == NBYTES
+    version = values.p["a"].version
+    values.residency.written([values.p["a"], None])
+    assert values.states() == "DD" and values.p["a"].version > version
+
+
+def test_a_resident_value_changed_in_place_without_a_word_is_written_before_it_is_dropped():
+    """[Note: a write nobody announced]: a clean value changed in place outside the schedule is not lost."""
+    values = Values("a", bound=NBYTES)
+    values.residency.write_back([values.p["a"]])
+    values.tensors["a"].add_(10.0)  # zero_grad(set_to_none=False), clip_grad_value_, a user's write
+    values.residency.add(Paged("b", "unit.b", "shard", lambda: [("b", torch.zeros(4))], values.pager, "b"))
+    assert values.p["a"].state is States.PAGED_OUT
+    values.need("a", ahead=False)
+    assert torch.equal(values.tensors["a"], torch.full((4,), 11.0)), "the change was written before the drop"
+
+
+def test_a_replaced_value_is_changed_and_no_longer_paged():
+    values = Values("ab", bound=None)
+    values.need("a", ahead=False)
+    values.residency.renew([values.p["a"]])
+    values.residency.release([values.p["a"]])
+    assert values.states() == "DO", "renewed: its tier copy is of the old value, and the schedule lets it be"
+
+
+def test_peek_reads_a_value_as_its_next_use_would_see_it_and_pages_nothing():
+    values = Values("ab", bound=NBYTES)
+    resident, out = values.tensors["b"], values.tensors["a"]
+    assert values.states() == "OD"
+    assert values.residency.peek(resident) is resident
+    copy = values.residency.peek(out)
+    assert torch.equal(copy, torch.full((4,), 1.0)) and copy is not out and values.states() == "OD"
+    stranger = torch.zeros(4)
+    assert values.residency.peek(stranger) is stranger
+    values.p["a"].version += 1  # a write that never reached the tier
+    with pytest.raises(StaleOffloadCopy, match="parameter 'a' \\(unit 'unit.a', rank 0\\)"):
+        values.residency.peek(out)
+
+
+def test_a_gather_needs_and_reads_its_shards_first_and_releases_them_once_landed():
+    values = Values("abc", bound=None)
+    seen = []
+    start = values.residency.gathering(lambda records: seen.append(("start", list(records), values.states())))
+    done = values.residency.gathered(lambda records: seen.append(("done", list(records), values.states())))
+    start(["a", "b", "not offloaded"])
+    done(["a", "b", "not offloaded"])
+    assert seen == [("start", ["a", "b", "not offloaded"], "RRO"), ("done", ["a", "b", "not offloaded"], "RRO")]
+    assert values.states() == "OOO"
+
+
+def test_a_write_back_from_gathered_marks_the_shards_changed_while_resident():
+    values = Values("ab", bound=None)
+    seen = []
+    values.residency.writing(lambda records: seen.append(values.states()))(["a"])
+    assert seen == ["DO"] and values.states() == "OO"
+    values.need("a", ahead=False)
+    assert values.pager.bytes_written == 3 * NBYTES, "a and b at the start, a again after the write"
+
+
+def test_shards_written_from_outside_stay_resident_until_settle():
+    values = Values("abc", bound=None)
+    values.residency.writing_shards(["a", "b", "not offloaded"])
+    values.tensors["a"].fill_(7.0)
+    assert values.states() == "DDO"
+    values.residency.writing_shards([])
+    values.residency.end_step()
+    assert values.states() == "DDO", "still resident after the step: the next root forward or step settles"
+    values.residency.settle()
+    assert values.states() == "OOO"
+    values.residency.settle()  # nothing left to settle
+    values.need("a", ahead=False)
+    assert torch.equal(values.tensors["a"], torch.full((4,), 7.0))
+
+
+def test_closing_hands_every_value_back_and_raises_the_first_failure_after_trying_all():
+    values = Values("abc", bound=None)
+    values.p["b"].version += 1  # b's tier copy is stale: its page-in fails
+    with pytest.raises(StaleOffloadCopy, match="'b'"):
+        values.residency.page_in_all()
+    assert values.p["a"].state is States.RESIDENT and values.p["c"].state is States.RESIDENT, \
+        "c was paged in after b failed"
+    assert values.residency.closed and not values.residency._cached
+
+
+def test_a_lenient_close_raises_nothing():
+    values = Values("ab", bound=None)
+    values.p["a"].version += 1
+    values.residency.page_in_all(strict=False)
+    assert values.p["b"].state is States.RESIDENT and values.residency.closed
