@@ -181,7 +181,7 @@ class Placement:
 
     def __init__(self, name: str, unit: str, kind: str, nbytes: int = 0):
         if kind not in PLACEMENT_KINDS:
-            raise ValueError(f"a placement's kind is one of {PLACEMENT_KINDS}, not {kind!r}")
+            raise ValueError(f"a placement's kind is one of {tuple(PLACEMENT_KINDS)}, not {kind!r}")
         self.name = name
         self.unit = unit
         self.kind = kind
@@ -190,12 +190,17 @@ class Placement:
         self.holds = 0  # the residency machine counts no holders; step() reads it
         self.recent: deque = deque(maxlen=HISTORY)
 
+    @property
+    def what(self) -> str:
+        """The value in words, for messages: "shard", "shard gradient" or "optimizer state"."""
+        return PLACEMENT_KINDS[self.kind]
+
     def __repr__(self) -> str:
         return f"<Placement {self.kind} of {self.name!r} [{self.unit}] {self.state.name}>"
 
 
-#: What a placement's ``kind`` may be: a parameter's shard, its shard gradient, its optimizer state.
-PLACEMENT_KINDS = ("shard", "grad", "optim")
+#: What a placement's ``kind`` may be (a parameter's shard, its shard gradient, its optimizer state), in words.
+PLACEMENT_KINDS = {"shard": "shard", "grad": "shard gradient", "optim": "optimizer state"}
 
 
 class StepContext:
@@ -317,6 +322,6 @@ def _untag(entry: tuple) -> tuple:
 def _illegal(rec: Lifetime, event: str, ctx: StepContext, reason: str) -> IllegalTransition:
     recent = [f"step {s} graph_task {g}: {e}: {a} -> {b}" for s, g, (e, a, b, _) in map(_untag, rec.recent)]
     if getattr(rec, "machine", "") == "residency":
-        reason = f"the residency of its {rec.kind}: {reason}"
+        reason = f"the residency of its {rec.what}: {reason}"
     return IllegalTransition(param=rec.name, unit=rec.unit, state=rec.state.name, event=event,
                              rank=ctx.rank, reason=reason, holds=rec.holds, history=recent)

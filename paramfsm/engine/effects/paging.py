@@ -154,7 +154,7 @@ class Pager:
         """Refuse a tier copy older than the value it stands for."""
         if slot.version != p.version:
             raise StaleOffloadCopy(
-                f"the {p.kind} of parameter '{p.name}' (unit '{p.unit}', rank {self.rank}) was about to be read "
+                f"the {p.what} of parameter '{p.name}' (unit '{p.unit}', rank {self.rank}) was about to be read "
                 f"from a tier copy of version {slot.version}, older than its working value (version {p.version}): "
                 "a write-back was lost. Nothing was read. What to do: this is a bug in paramfsm's offload "
                 "schedule; report it with the trace dump.")

@@ -93,7 +93,7 @@ class Residency:
         p.version = next(self._versions)
         for _, tensor in p.values():
             paged.PAGERS[tensor] = self._on_demand
-            paged.OWNERS[tensor] = (p.name, _WHAT[p.kind], p.unit, self.ctx.rank)
+            paged.OWNERS[tensor] = (p.name, p.what, p.unit, self.ctx.rank)
             self._by_tensor[tensor] = p
         self._cached[p] = None
         self._trim()
@@ -343,9 +343,6 @@ class Residency:
                 paged.PAGERS.pop(tensor, None)
         if first is not None and strict:
             raise first
-
-
-_WHAT = {"shard": "shard", "grad": "shard gradient", "optim": "optimizer state"}
 
 
 #: [Note: a write nobody announced]
