@@ -1,8 +1,9 @@
 """The fault catalogue: every real lifetime bug in it must be killed by ``paramfsm verify`` within the CI budget.
 
-The tests that run the catalogue on ranks carry the ``catalogue`` mark: they take about 17 minutes of two
-cores, so ``make test`` leaves them out and ``make test-catalogue`` runs them, in parts on two test processes,
-as its own step of every CI run.
+The tests that run the catalogue on ranks carry the ``catalogue`` mark: ``make test`` leaves them out and
+``make test-catalogue`` runs them, in parts on two test processes, as its own step of every CI run. Each fault
+runs the canonical program that kills it first in the full search, alone (its pattern: see [Note: a fault's
+pattern] in :mod:`paramfsm.testing.mutants`); ``make mutants`` runs the whole search for every fault.
 """
 
 from __future__ import annotations
@@ -35,13 +36,12 @@ from paramfsm.engine.schedule.scheduler import Scheduler
 from paramfsm.engine.schedule.shard_writes import ShardWrites
 from paramfsm.engine.storage import partitioned
 from paramfsm.engine.storage.tiers import DiskTier
-from paramfsm.testing.mutants import SUBJECT, format_table, main, run_catalogue, trace_check
+from paramfsm.testing.mutants import (PATTERNS, SUBJECT, format_table, main, run_catalogue, subject_patterns,
+                                      trace_check)
 from paramfsm.verify import faults
-from paramfsm.verify.search import examples_from_env
+from paramfsm.verify.search import examples_from_env, verify
 from paramfsm.verify.reproduction import run_saved
 
-#: Programs per fault (and for the baseline) in CI; PARAMFSM_VERIFY_EXAMPLES raises it.
-CI_EXAMPLES = 25
 #: Drawn programs only (no canonical patterns first): the search alone needs more of them.
 DRAWN_EXAMPLES = 60
 
@@ -87,11 +87,10 @@ def test_an_unknown_fault_is_named():
             pass
 
 
-#: The catalogue runs in four parts and its baselines apart, spread over the test processes of ``make
-#: test-catalogue`` (pytest-xdist groups; four parts, not two, so that the two processes end close together). A
-#: kill means something only while the unmutated runtime passes the same programs: the baselines' test says so in
-#: the same run.
-PARTS = 4
+#: The catalogue runs in two parts and its baselines apart, spread over the test processes of ``make
+#: test-catalogue`` (pytest-xdist groups). A kill means something only while the unmutated runtime passes the
+#: same programs: the baselines' test says so in the same run.
+PARTS = 2
 PART_PARAMS = [pytest.param(part, marks=pytest.mark.xdist_group(f"catalogue-{part}"), id=f"part{part}")
                for part in range(PARTS)]
 
@@ -108,20 +107,33 @@ def catalogue(request, ranks2):
     """One verification per catalogued fault of one part (run once per test process for the tests below)."""
     part = request.param
     if part not in _RUNS:
-        _RUNS[part] = run_catalogue(examples=examples_from_env(CI_EXAMPLES), pool=ranks2, faults=part_of(part),
-                                    baseline=False)
+        _RUNS[part] = run_catalogue(pool=ranks2, faults=part_of(part), baseline=False, patterns=True)
     return _RUNS[part]
 
 
 @pytest.mark.catalogue
 @pytest.mark.xdist_group("catalogue-baseline")
 def test_the_unmutated_runtime_passes_the_programs_that_kill_the_catalogue(ranks2):
-    """The baseline of every subject the catalogue's faults run on, with the faults' budget and seed."""
+    """The baseline of every subject the catalogue's faults run on: the patterns of its faults, with their seed."""
     subjects = dict.fromkeys(fault.subject or SUBJECT for fault in faults.CATALOGUE)
     for subject in subjects:
-        problem, rows = run_catalogue(subject=subject, examples=examples_from_env(CI_EXAMPLES), pool=ranks2,
-                                      faults=())
-        assert problem is None and rows == [], problem
+        report = verify(subject, pool=ranks2, shrink=False, canonical_only=subject_patterns(faults.CATALOGUE, subject))
+        assert report.failure is None, (subject, report.failure and report.failure.reproduction)
+
+
+def test_every_fault_verify_kills_names_its_pattern():
+    from paramfsm.verify.canonical import CANONICAL
+
+    assert set(PATTERNS) == {f.name for f in faults.CATALOGUE if f.trace_scenario is None}
+    assert all(0 <= index < len(CANONICAL) for index in PATTERNS.values())
+    assert subject_patterns(faults.CATALOGUE, "paramfsm.testing.subjects:sized_lm") == (
+        PATTERNS[next(f.name for f in faults.CATALOGUE if f.subject == "paramfsm.testing.subjects:sized_lm")],)
+
+
+@pytest.mark.parametrize("only", [(), (-1,), (10 ** 6,), ("0",)])
+def test_canonical_only_names_programs_that_exist(only):
+    with pytest.raises(ValueError, match="name one or more canonical programs by their index, 0 to "):
+        verify(SUBJECT, canonical_only=only)
 
 
 def test_the_parts_cover_the_catalogue():

@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from collections import Counter
-from typing import Callable
+from typing import Callable, Sequence
 
 import attrs
 from hypothesis import HealthCheck, Phase, Verbosity, example, given, reject, settings
@@ -243,13 +243,18 @@ def _smaller(a: Program, b: Program) -> bool:
 def verify(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, pool: RankPool | None = None,
            fault: str | None = None, shrink: bool = True, shrink_budget_s: float = 120.0, max_ops: int = 16,
            per_rank: int = 2, config: Config | None = None, timeout_s: float = 60.0,
-           canonical_first: bool = True, progress: Callable[[Progress], None] | None = None) -> Report:
+           canonical_first: bool = True, progress: Callable[[Progress], None] | None = None,
+           canonical_only: Sequence[int] | None = None) -> Report:
     """Run the canonical programs, then up to ``examples`` drawn ones; return a :class:`Report`.
 
     ``report.failure`` is set on failure. The canonical programs
     (:data:`paramfsm.verify.programs.CANONICAL`) are the training-loop
     patterns behind the catalogued bugs; they run first, unshrunk, unless
     ``canonical_first`` is false or ``config`` fixes the configuration.
+    ``canonical_only``: run these canonical programs alone (their indices in
+    ``CANONICAL``, in this order) and nothing drawn (the fault catalogue's test
+    runs the pattern behind each bug: see [Note: a fault's pattern] in
+    :mod:`paramfsm.testing.mutants`).
 
     ``factory``: a callable or ``"module:attribute"`` (it must be importable on
     the ranks). ``pool``: reuse a pool of ``world_size`` ranks (one is started
@@ -267,11 +272,18 @@ def verify(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, p
         raise ValueError(f"the pool has {pool.world} ranks, not world_size={world_size}")
     shape = probe(factory, seed, per_rank)
     options = Options(seed=seed, per_rank=per_rank, fault=fault, timeout_s=timeout_s)
+    explicit = canonical(shape) if config is None and canonical_first else []
+    phases = (Phase.explicit, Phase.generate, Phase.shrink) if shrink else (Phase.explicit, Phase.generate)
+    if canonical_only is not None:
+        every = canonical(shape)
+        if not canonical_only or not all(isinstance(i, int) and 0 <= i < len(every) for i in canonical_only):
+            raise ValueError(f"canonical_only={canonical_only!r}: name one or more canonical programs by their "
+                             f"index, 0 to {len(every) - 1}")
+        explicit, phases, examples = [every[i] for i in canonical_only], (Phase.explicit,), 1
     own_pool = pool is None
     pool = pool or RankPool(world_size, timeout=timeout_s * 2 + 30)
-    explicit = canonical(shape) if config is None and canonical_first else []
-    search = _Search(pool, factory, options, shrink_budget_s, examples + len(explicit), progress)
-    phases = (Phase.explicit, Phase.generate, Phase.shrink) if shrink else (Phase.explicit, Phase.generate)
+    search = _Search(pool, factory, options, shrink_budget_s, len(explicit) if canonical_only is not None
+                     else examples + len(explicit), progress)
 
     @settings(max_examples=examples, deadline=None, database=None, phases=phases, derandomize=False,
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False, verbosity=Verbosity.quiet,
