@@ -30,7 +30,8 @@ def test_a_paged_out_tensor_keeps_its_metadata_and_its_own_class_underneath(make
     assert paged.is_paged_out(tensor) and guard.__name__ == name and issubclass(guard, plain)
     assert guard.__module__ == "paramfsm.engine.storage.paged" and plain.__name__ in guard.__doc__
     assert tensor.shape == (2, 3) and tensor.dtype == torch.float32 and tensor.numel() == 6 and tensor.dim() == 2
-    assert tensor.size(1) == 3 and tensor.element_size() == 4 and tensor.is_floating_point()
+    assert tensor.size(1) == 3 and tensor.size(dim=0) == 2 and tensor.element_size() == 4
+    assert tensor.is_floating_point()
     assert paged.working(tensor).stride() == (0, 0), "no storage is held: one element expanded to the shape"
     again = make()
     _out(again)
@@ -46,9 +47,11 @@ def test_a_read_with_no_pager_raises_not_resident_naming_the_parameter():
     tensor = _out(torch.zeros(4))
     with pytest.raises(NotResident) as info:
         tensor.sum()
-    message = str(info.value)
-    assert "read the shard of parameter 'layer.weight' (unit 'layer', rank 1) while it is paged out" in message
-    assert "sum" in message and "What to do: read it on the training thread" in message
+    assert str(info.value) == (
+        f"{torch.Tensor.sum.__qualname__} read the shard of parameter 'layer.weight' (unit 'layer', rank 1) while "
+        "it is paged out to its offload tier, and it could not be paged in here (the runtime is closed, or the "
+        "read runs on another thread). What to do: read it on the training thread while the runtime is open, or "
+        "after rt.close() read the model's parameters instead.")
     unnamed = _out(torch.zeros(2), owner=None)
     del paged.OWNERS[unnamed]
     with pytest.raises(NotResident, match="the value of parameter '<unknown>' \\(unit '<unknown>', rank -1\\)"):
@@ -80,5 +83,13 @@ def test_gradient_and_hooks_pass_without_a_page_in():
     assert torch.equal(weight.grad, torch.ones(3)) and weight.requires_grad and weight.is_leaf
     handle = weight.register_post_accumulate_grad_hook(lambda p: None)
     handle.remove()
+    del weight.grad
+    assert weight.grad is None
     weight.data = torch.full((3,), 5.0)  # setting .data is how finish_read restores it
     assert paged.is_paged_out(weight) and torch.equal(paged.working(weight), torch.full((3,), 5.0))
+
+
+def test_reading_data_is_a_read():
+    tensor = _out(torch.zeros(3))
+    with pytest.raises(NotResident, match="parameter 'layer.weight'"):
+        tensor.data

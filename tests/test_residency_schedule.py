@@ -19,6 +19,7 @@ from paramfsm.core.fsm import StepContext
 from paramfsm.core.spec import Residency as States
 from paramfsm.engine.effects.paging import Pager
 from paramfsm.engine.schedule.residency import Paged, Residency
+from paramfsm.engine.storage import paged
 from paramfsm.engine.storage.tiers import HostTier
 from paramfsm.errors import NotResident, StaleOffloadCopy
 
@@ -257,6 +258,18 @@ def test_a_resident_value_changed_in_place_without_a_word_is_written_before_it_i
     assert torch.equal(values.tensors["a"], torch.full((4,), 11.0)), "the change was written before the drop"
 
 
+def test_a_change_in_place_before_a_later_use_is_still_written():
+    values = Values("a", bound=None)
+    values.need("a", ahead=False)
+    values.residency.write_back([values.p["a"]])
+    values.tensors["a"].add_(10.0)
+    values.need("a", ahead=False)  # used again: the change must not be taken for the tier copy's value
+    values.release("a")
+    values.release("a")
+    values.need("a", ahead=False)
+    assert torch.equal(values.tensors["a"], torch.full((4,), 11.0))
+
+
 def test_a_replaced_value_is_changed_and_no_longer_paged():
     values = Values("ab", bound=None)
     values.need("a", ahead=False)
@@ -293,8 +306,8 @@ def test_a_gather_needs_and_reads_its_shards_first_and_releases_them_once_landed
 def test_a_write_back_from_gathered_marks_the_shards_changed_while_resident():
     values = Values("ab", bound=None)
     seen = []
-    values.residency.writing(lambda records: seen.append(values.states()))(["a"])
-    assert seen == ["DO"] and values.states() == "OO"
+    values.residency.writing(lambda records: seen.append((records, values.states())))(["a"])
+    assert seen == [(["a"], "DO")] and values.states() == "OO"
     values.need("a", ahead=False)
     assert values.pager.bytes_written == 3 * NBYTES, "a and b at the start, a again after the write"
 
@@ -329,3 +342,80 @@ def test_a_lenient_close_raises_nothing():
     values.p["a"].version += 1
     values.residency.page_in_all(strict=False)
     assert values.p["b"].state is States.RESIDENT and values.residency.closed
+
+
+def test_a_clean_value_paged_in_and_out_again_is_dropped_without_a_write():
+    values = Values("a", bound=None)
+    written = values.pager.bytes_written
+    for _ in range(3):
+        values.need("a", ahead=False)
+        values.release("a")
+    assert values.states() == "O" and values.pager.bytes_written == written, "its tier copy is current"
+
+
+def test_a_release_goes_on_past_values_not_in_use():
+    values = Values("ab", bound=None)
+    values.need("b", ahead=False)
+    values.residency.release([values.p["a"], None, values.p["b"]])  # a is not in use
+    assert values.states() == "OO"
+
+
+def test_a_value_replaced_while_resident_or_paged_in_ahead_leaves_the_resident_set():
+    values = Values("abc", bound=2 * NBYTES)
+    assert values.states() == "ODD"
+    values.residency.renew([values.p["b"]])
+    values.add("d")
+    assert values.states() == "ODDD", "b no longer counts: adding d pages nothing out"
+    ahead = Values("abc", bound=None)
+    ahead.step("a", "b", "c")
+    ahead.need("a")  # b comes ahead
+    ahead.residency.renew([ahead.p["b"]])
+    ahead.release("a")
+    ahead.use("c")
+    ahead.residency.end_step()
+    ahead.need("a")
+    assert ahead.states()[2] == "I", "b, replaced, no longer holds the place of the unit ahead"
+
+
+def test_a_write_back_or_a_load_is_not_part_of_the_recorded_order():
+    values = Values("abc", bound=None)
+    values.step("a", "b", "c")
+    values.residency.writing(lambda records: None)(["c"])  # rt.gathered(writeback=True) before the step
+    values.need("a")
+    assert values.states() == "RIO", "a is still first in the order, so b comes ahead"
+    loaded = Values("abc", bound=None)
+    loaded.step("a", "b", "c")
+    loaded.residency.writing_shards(["c"])  # a load before the step: c is held until settle
+    loaded.need("a")
+    assert loaded.states() == "RID"
+
+
+def test_gathers_through_the_schedule_page_the_next_unit_in_ahead():
+    values = Values("abc", bound=None)
+    seen = []
+    start = values.residency.gathering(lambda records: None)
+    done = values.residency.gathered(lambda records: seen.append(records))
+    for _ in range(2):
+        for unit in "abc":
+            start([unit])
+            done([unit])
+        values.residency.end_step()
+    start(["a"])
+    assert values.states() == "RIO" and seen[0] == ["a"]
+
+
+def test_closing_pages_in_the_optimizer_state_too():
+    values = Values("a", bound=None)
+    state = torch.full((4,), 3.0)
+    p = Paged("a", "unit.a", "optim", lambda: [("a-state", state)], values.pager, "a-state")
+    values.residency.optim[(1, "a")] = values.residency.add(p)
+    assert paged.is_paged_out(state)
+    values.residency.page_in_all()
+    assert not paged.is_paged_out(state) and torch.equal(state, torch.full((4,), 3.0))
+
+
+def test_peek_passes_a_paged_out_tensor_it_does_not_own_through():
+    values = Values("a", bound=None)
+    foreign = torch.zeros(4)
+    paged.conceal(foreign)
+    assert values.residency.peek(foreign) is foreign
