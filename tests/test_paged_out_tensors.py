@@ -20,8 +20,15 @@ def _out(tensor: torch.Tensor, page_in=None, owner=("layer.weight", "shard", "la
     return tensor
 
 
+def _users_tensor() -> torch.Tensor:
+    """A tensor of a user's subclass, named in lower case; a new class each call, so its paged-out class is made
+    by the test that conceals it and not taken from an earlier one."""
+    return torch.arange(6.0).reshape(2, 3).as_subclass(type("scaledTensor", (torch.Tensor,), {}))
+
+
 @pytest.mark.parametrize("make, name", [(lambda: torch.arange(6.0).reshape(2, 3), "PagedOutTensor"),
-                                        (lambda: nn.Parameter(torch.arange(6.0).reshape(2, 3)), "PagedOutParameter")])
+                                        (lambda: nn.Parameter(torch.arange(6.0).reshape(2, 3)), "PagedOutParameter"),
+                                        (_users_tensor, "PagedOutScaledTensor")])
 def test_a_paged_out_tensor_keeps_its_metadata_and_its_own_class_underneath(make, name):
     tensor = make()
     plain = type(tensor)
@@ -33,7 +40,9 @@ def test_a_paged_out_tensor_keeps_its_metadata_and_its_own_class_underneath(make
     assert tensor.size(1) == 3 and tensor.size(dim=0) == 2 and tensor.element_size() == 4
     assert tensor.is_floating_point()
     assert paged.working(tensor).stride() == (0, 0), "no storage is held: one element expanded to the shape"
-    again = make()
+    with pytest.raises(NotResident):
+        tensor.sum()
+    again = torch.zeros(2, 3).as_subclass(plain)
     _out(again)
     assert type(again) is guard, "one paged-out class per plain class"
     paged.reveal(tensor, torch.ones(2, 3))

@@ -118,13 +118,15 @@ def _paged_operands(args, kwargs) -> list:
 
 
 def _property_name(accessor) -> str | None:
-    owner = getattr(accessor, "__self__", None)
-    return getattr(owner, "__name__", None) or getattr(getattr(owner, "fget", None), "__name__", None)
+    """The property an accessor (``__get__`` / ``__set__`` / ``__delete__``) belongs to: every one let through is a
+    getset descriptor of torch's C tensor, named; a Python property (``__cuda_array_interface__``) gives None and
+    is a read."""
+    return getattr(getattr(accessor, "__self__", None), "__name__", None)
 
 
 def _not_resident(tensor, func) -> NotResident:
     name, what, unit, rank = OWNERS.get(tensor, ("<unknown>", "value", "<unknown>", -1))
-    op = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    op = getattr(func, "__qualname__", None) or repr(func)  # torch's functions have one; a partial does not
     return NotResident(
         f"{op} read the {what} of parameter '{name}' (unit '{unit}', rank {rank}) while it is paged out to "
         "its offload tier, and it could not be paged in here (the runtime is closed, or the read runs on "
