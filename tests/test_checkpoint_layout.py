@@ -46,6 +46,7 @@ def test_boxes_cover_a_flat_range_exactly_each_a_contiguous_block(shape, data):
     full = torch.arange(n).view(shape) if shape else torch.tensor(0)
     covered = []
     for offsets, sizes in found:
+        assert math.prod(sizes) > 0, f"an empty box {offsets, sizes}"
         block = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] if shape else full
         assert block.is_contiguous() or block.numel() == 0
         covered += block.reshape(-1).tolist()

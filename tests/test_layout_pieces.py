@@ -65,8 +65,8 @@ def test_a_shard_becomes_views_of_its_boxes_in_the_models_shape(rank, offsets, s
 
 def test_a_parameter_of_no_elements_is_a_plain_empty_tensor():
     rec = _rec((0, 4))
-    got = model_shaped(SimpleNamespace(rank=1), rec, torch.empty(0))
-    assert type(got) is torch.Tensor and got.shape == (0, 4)
+    got = model_shaped(SimpleNamespace(rank=1), rec, torch.empty(0, dtype=torch.float64))
+    assert type(got) is torch.Tensor and got.shape == (0, 4) and got.dtype == torch.float64
 
 
 def test_pieces_clone_detach_and_copy_between_the_same_boxes_and_nothing_else():
@@ -79,6 +79,9 @@ def test_pieces_clone_detach_and_copy_between_the_same_boxes_and_nothing_else():
     target = model_shaped(rt, _rec(), torch.zeros(8))
     target.copy_(pieces)
     assert torch.equal(target.flat, pieces.flat)
+    again = model_shaped(rt, _rec(), torch.zeros(8))
+    again.copy_(pieces, True)  # non_blocking, passed by position
+    assert torch.equal(again.flat, pieces.flat)
     other = model_shaped(SimpleNamespace(rank=0), _rec(), torch.zeros(8))
     for bad in (lambda: other.copy_(pieces), lambda: pieces + 1, lambda: pieces.copy_(torch.zeros(SHAPE))):
         with pytest.raises(ParamFSMError) as info:
@@ -89,7 +92,7 @@ def test_pieces_clone_detach_and_copy_between_the_same_boxes_and_nothing_else():
         assert str(info.value).endswith("What to do: save or load it with torch.distributed.checkpoint, or use "
                                         "rt.full_state_dict() for full tensors")
     staged = pieces.with_flat(torch.full((7,), 9.0))
-    assert [o for o, _ in staged.pieces] == [o for o, _ in pieces.pieces]
+    assert staged.key == "proj.weight" and [o for o, _ in staged.pieces] == [o for o, _ in pieces.pieces]
     assert all(bool((view == 9.0).all()) for _, view in staged.pieces)
 
 
