@@ -282,3 +282,86 @@ def test_a_retired_checkpoint_is_kept_while_no_checkpoint_replaces_it(rt, tmp_pa
     os.rename(tmp_path / "ck", tmp_path / ".ck.retired-1")
     ck.save(rt, tmp_path / "ck")
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_extra_files_refusals_say_what_was_wrong_word_for_word():
+    assert folders.check_extra_files(None) == {}
+    good = {"a.bin": b"x", "b.bin": bytearray(b"y"), "c.bin": memoryview(b"z")}
+    assert folders.check_extra_files(good) == good
+    with pytest.raises(TypeError) as info:
+        folders.check_extra_files([("meta.pt", b"x")])
+    assert str(info.value) == "paramfsm.checkpoint.save(extra_files=list): expected a dict of file name -> bytes"
+    with pytest.raises(ArgumentError) as info:
+        folders.check_extra_files({"__0_0.distcp": b"x"})
+    assert str(info.value) == (
+        "paramfsm.checkpoint.save(extra_files=...): '__0_0.distcp' is not a file name the checkpoint can hold (a "
+        "plain name, not hidden, not paramfsm.json, .metadata or a DCP data file)")
+    with pytest.raises(TypeError) as info:
+        folders.check_extra_files({"meta.pt": "text"})
+    assert str(info.value) == "paramfsm.checkpoint.save(extra_files=...): the value of 'meta.pt' is a str; expected bytes"
+
+
+def test_what_a_folder_that_is_no_checkpoint_holds_is_named(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert folders.problem(empty).endswith("or it is not a checkpoint; it holds nothing)")
+    full = tmp_path / "full"
+    full.mkdir()
+    for name in "gfedcba":
+        (full / name).write_text(name)
+    assert folders.problem(full).endswith("it holds ['a', 'b', 'c', 'd', 'e'])"), "the first five, sorted"
+    (full / ".metadata").write_bytes(b"not a pickle")
+    assert re.fullmatch(rf"'{re.escape(str(full / '.metadata'))}' cannot be read \([A-Z]\w+: .+\)",
+                        folders.problem(full), re.S) and "NoneType" not in folders.problem(full)
+
+
+def test_an_unfinished_save_written_in_place_is_replaced_and_a_file_is_not(rt, tmp_path):
+    """A folder of only DCP's names (a save that wrote in place and was killed before ``.metadata``) is what
+    earlier saves left: a save replaces it. A file of that name is never replaced."""
+    old = tmp_path / "ck"
+    old.mkdir()
+    for name in ("__0_0.distcp", ".metadata.tmp", "__junk", "paramfsm.json"):
+        (old / name).write_bytes(b"x")
+    ck.save(rt, old)
+    assert folders.problem(old) is None and not (old / "__junk").exists()
+    plain = tmp_path / "notes"
+    plain.write_text("mine")
+    with pytest.raises(ParamFSMError) as info:
+        ck.save(rt, plain)
+    assert str(info.value).startswith(
+        f"paramfsm.checkpoint.save: '{plain}' exists and is not a checkpoint (no .metadata); it is never replaced. "
+        "What to do: save to a new or empty folder, or remove it")
+    assert plain.read_text() == "mine"
+
+
+def test_a_checkpoint_moved_aside_is_loaded_then_put_back_and_both_are_logged(rt, tmp_path, caplog):
+    ck.save(rt, tmp_path / "ck")
+    retired = tmp_path / ".ck.retired-1"
+    os.rename(tmp_path / "ck", retired)
+    with caplog.at_level("WARNING", logger="paramfsm.checkpoint.folders"):
+        ck.load(rt, tmp_path / "ck")
+        ck.save(rt, tmp_path / "ck")
+    said = [r.getMessage() for r in caplog.records if r.name == "paramfsm.checkpoint.folders"]
+    assert said == [f"loading {retired}: a save over {tmp_path / 'ck'} was interrupted before it finished",
+                    f"restored {tmp_path / 'ck'} from {retired} (a save over it was interrupted)"]
+
+
+def test_a_load_of_nothing_says_what_to_do_word_for_word(rt, tmp_path):
+    with pytest.raises(ParamFSMError) as info:
+        ck.load(rt, tmp_path / "ck")
+    assert str(info.value) == (
+        f"paramfsm.checkpoint.load: '{tmp_path / 'ck'}' does not exist. Nothing was loaded. What to do: load a complete "
+        "checkpoint (paramfsm.checkpoint.latest(parent) finds the newest one) (rank 0)")
+
+
+def test_a_kill_while_pruning_leaves_nothing_the_next_save_keeps(rt, tmp_path, monkeypatch):
+    ck.save(rt, tmp_path / "step-1")
+    ck.save(rt, tmp_path / "step-2")
+    monkeypatch.setattr(folders, "fault_hook", _kill_at("pruning"))
+    with pytest.raises(_Killed):
+        ck.save(rt, tmp_path / "step-3", keep_last=1)
+    monkeypatch.setattr(folders, "fault_hook", None)
+    left = sorted(os.listdir(tmp_path))
+    assert left[0].startswith(".step-1.removed-") and left[1:] == ["step-2", "step-3"], left
+    ck.save(rt, tmp_path / "step-1")  # the name whose removal was cut short is saved again
+    assert sorted(os.listdir(tmp_path)) == ["step-1", "step-2", "step-3"]
