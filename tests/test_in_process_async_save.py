@@ -115,3 +115,51 @@ def test_a_write_still_going_is_named_and_staged_bytes_are_this_rank_s_state(tra
     handle.wait()
     assert repr(handle) == f"<SaveHandle {tmp_path / 'ck'} done>"
     assert background.staging_bytes(rt) == 0
+
+
+def test_the_staged_copy_is_what_the_state_held_when_the_save_started():
+    """Later writes to the shards, the optimizer state or a nested value do not reach the staged copy; a tied
+    parameter's two keys share one copy and count once."""
+    from types import SimpleNamespace
+
+    from paramfsm.checkpoint.layout import model_shaped
+
+    rec = SimpleNamespace(name="w", shape=torch.Size((2, 3)), numel=6, shard_numel=6)
+    shard = torch.arange(6.0)
+    pieces = model_shaped(SimpleNamespace(rank=0), rec, shard)
+    tied = model_shaped(SimpleNamespace(rank=0), rec, shard)
+    moment, nested = torch.ones(4, dtype=torch.float64), {"step": [1]}
+    staged, nbytes = background.stage({"w": pieces, "tied": tied, "m": moment, "meta": nested, "n": 3})
+    assert nbytes == 6 * 4 + 4 * 8, "the shared shard once, and the moment"
+    assert staged["w"].flat is staged["tied"].flat, "one copy for both keys"
+    shard.add_(100.0)
+    moment.add_(100.0)
+    nested["step"].append(2)
+    assert torch.equal(staged["w"].flat, torch.arange(6.0)) and staged["w"].key == "w"
+    assert torch.equal(staged["m"], torch.ones(4, dtype=torch.float64))
+    assert staged["meta"] == {"step": [1]} and staged["n"] == 3
+
+
+def test_closing_the_runtime_destroys_the_group_its_asynchronous_saves_ran_on(one_rank, tmp_path):  # noqa: F811
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    rt = paramfsm.shard(mlp(width=8, depth=2, d_in=4, d_out=3))
+    release = threading.Event()
+    folders.fault_hook = lambda point: release.wait(30) if point == "writing" else None
+    try:
+        handle = ck.save(rt, tmp_path / "ck", async_save=True)
+        group = background._groups[rt]
+        assert group in dist.distributed_c10d._world.pg_map and dist.get_process_group_ranks(group) == [0]
+        background.release_group(rt)
+        assert group in dist.distributed_c10d._world.pg_map, "a save still writes on it"
+    finally:
+        release.set()
+        folders.fault_hook = None
+    handle.wait()
+    background.release_group(rt)
+    assert group not in dist.distributed_c10d._world.pg_map, "its gloo threads and sockets would stay"
+    ck.save(rt, tmp_path / "ck2", async_save=True).wait()
+    again = background._groups[rt]
+    rt.close()
+    assert again not in dist.distributed_c10d._world.pg_map, "rt.close() releases it too"
