@@ -365,3 +365,27 @@ def test_a_kill_while_pruning_leaves_nothing_the_next_save_keeps(rt, tmp_path, m
     assert left[0].startswith(".step-1.removed-") and left[1:] == ["step-2", "step-3"], left
     ck.save(rt, tmp_path / "step-1")  # the name whose removal was cut short is saved again
     assert sorted(os.listdir(tmp_path)) == ["step-1", "step-2", "step-3"]
+
+
+def test_an_incomplete_staging_folder_is_never_committed(rt, tmp_path):
+    ck.save(rt, tmp_path / "ck")
+    before = sorted(os.listdir(tmp_path / "ck"))
+    folders.staging(tmp_path / "ck", "t1").mkdir()  # the data never arrived
+    with pytest.raises(ParamFSMError) as info:
+        folders.commit(tmp_path / "ck", "t1")
+    assert str(info.value).startswith(
+        f"paramfsm.checkpoint.save to '{tmp_path / 'ck'}': the written checkpoint is incomplete ('"
+        f"{folders.staging(tmp_path / 'ck', 't1')}' has no .metadata")
+    assert str(info.value).endswith(f"; '{tmp_path / 'ck'}' was not replaced")
+    assert sorted(os.listdir(tmp_path / "ck")) == before and folders.problem(tmp_path / "ck") is None
+
+
+def test_a_save_logs_each_leftover_it_removes(rt, tmp_path, caplog):
+    for leftover in (".ck.staging-1", ".ck.removed-2"):
+        (tmp_path / leftover).mkdir()
+    with caplog.at_level("INFO", logger="paramfsm.checkpoint.folders"):
+        ck.save(rt, tmp_path / "ck")
+    said = sorted(r.getMessage() for r in caplog.records if r.name == "paramfsm.checkpoint.folders")
+    assert said == sorted(f"removing {tmp_path / name}, left by a save that did not finish"
+                          for name in (".ck.staging-1", ".ck.removed-2"))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
