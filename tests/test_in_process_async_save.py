@@ -102,6 +102,7 @@ def test_a_write_still_going_is_named_and_staged_bytes_are_this_rank_s_state(tra
     try:
         handle = ck.save(rt, tmp_path / "ck", optimizer=opt, async_save=True)
         assert repr(handle) == f"<SaveHandle {tmp_path / 'ck'} writing>" and not handle.done()
+        assert f"paramfsm-save {tmp_path / 'ck'}" in {t.name for t in threading.enumerate()}, "named in dumps"
         with pytest.raises(ParamFSMError, match=r"is still writing after 0.05 s$"):
             handle.wait(0.05)
         shards = sum(s.numel() * s.element_size() for s in rt.shard_parameters())
