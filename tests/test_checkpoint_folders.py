@@ -389,3 +389,15 @@ def test_a_save_logs_each_leftover_it_removes(rt, tmp_path, caplog):
     assert said == sorted(f"removing {tmp_path / name}, left by a save that did not finish"
                           for name in (".ck.staging-1", ".ck.removed-2"))
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_a_save_where_no_folder_can_be_made_says_so_and_writes_nothing(rt, tmp_path):
+    (tmp_path / "file").write_text("mine")
+    path = tmp_path / "file" / "ck"
+    with pytest.raises(ParamFSMError) as info:
+        ck.save(rt, path)
+    assert re.fullmatch(
+        re.escape(f"paramfsm.checkpoint.save: cannot create a folder beside '{path}' (") + r"[A-Z][^)]+" +
+        re.escape(f"); nothing was written. What to do: check that '{path.parent}' is a writable folder with free "
+                  "space (rank 0)"), str(info.value)), str(info.value)
+    assert (tmp_path / "file").read_text() == "mine"
