@@ -272,20 +272,19 @@ def verify(factory, *, world_size: int = 2, examples: int = 20, seed: int = 0, p
         raise ValueError(f"the pool has {pool.world} ranks, not world_size={world_size}")
     shape = probe(factory, seed, per_rank)
     options = Options(seed=seed, per_rank=per_rank, fault=fault, timeout_s=timeout_s)
-    explicit = canonical(shape) if config is None and canonical_first else []
+    every = canonical(shape) if canonical_only is not None or (config is None and canonical_first) else []
+    explicit, drawn = (every if config is None and canonical_first else []), examples
     phases = (Phase.explicit, Phase.generate, Phase.shrink) if shrink else (Phase.explicit, Phase.generate)
     if canonical_only is not None:
-        every = canonical(shape)
         if not canonical_only or not all(isinstance(i, int) and 0 <= i < len(every) for i in canonical_only):
             raise ValueError(f"canonical_only={canonical_only!r}: name one or more canonical programs by their "
                              f"index, 0 to {len(every) - 1}")
-        explicit, phases, examples = [every[i] for i in canonical_only], (Phase.explicit,), 1
+        explicit, phases, drawn = [every[i] for i in canonical_only], (Phase.explicit,), 0
     own_pool = pool is None
     pool = pool or RankPool(world_size, timeout=timeout_s * 2 + 30)
-    search = _Search(pool, factory, options, shrink_budget_s, len(explicit) if canonical_only is not None
-                     else examples + len(explicit), progress)
+    search = _Search(pool, factory, options, shrink_budget_s, drawn + len(explicit), progress)
 
-    @settings(max_examples=examples, deadline=None, database=None, phases=phases, derandomize=False,
+    @settings(max_examples=max(drawn, 1), deadline=None, database=None, phases=phases, derandomize=False,
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False, verbosity=Verbosity.quiet,
               print_blob=False)
     @hypothesis_seed(seed)
